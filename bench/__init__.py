@@ -1,0 +1,1 @@
+"""Benchmarks: `mmenc bench vit|preprocess`."""

@@ -1,0 +1,1 @@
+"""Embedding cache and routing (content keys, shared-memory cache, consistent-hash ring)."""

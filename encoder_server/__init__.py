@@ -1,0 +1,1 @@
+"""mmenc encoder server: models, worker, gateway, CLI."""

@@ -1,0 +1,284 @@
+"""Frozen configuration, one dataclass per layer, validated in `__post_init__`.
+
+CLI flags are generated from the fields (`add_config_args` / `config_from_args`), so every default lives
+here once. Runtime state lives elsewhere; a config is never mutated after construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Shape of the Qwen2.5-VL vision transformer (field names follow transformers' vision config)."""
+
+    depth: int = 4
+    hidden_size: int = 64
+    num_heads: int = 4
+    intermediate_size: int = 160
+    out_hidden_size: int = 128
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (1, 3)
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+    hidden_act: str = "silu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.depth > 0 and self.hidden_size > 0 and self.num_heads > 0, "vision sizes must be > 0")
+        _require(self.hidden_size % self.num_heads == 0, "hidden_size must be divisible by num_heads")
+        _require(self.head_dim % 4 == 0, "head_dim must be divisible by 4 (2-D rotary)")
+        _require(all(0 <= i < self.depth for i in self.fullatt_block_indexes), "fullatt index out of range")
+        _require(self.window_size % (self.patch_size * self.spatial_merge_size) == 0,
+                 "window_size must be a multiple of patch_size * spatial_merge_size")
+        _require(self.hidden_act in ("silu", "gelu", "gelu_pytorch_tanh", "quick_gelu"),
+                 f"unsupported hidden_act {self.hidden_act!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch: channels * temporal_patch * patch * patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:
+        return self.spatial_merge_size**2
+
+    @classmethod
+    def preset(cls, name: str) -> VisionConfig:
+        if name not in VISION_PRESETS:
+            raise ValueError(f"unknown vision preset {name!r}; known: {sorted(VISION_PRESETS)}")
+        return VISION_PRESETS[name]
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> VisionConfig:
+        """Read a transformers config dict (a full Qwen2.5-VL config or only its vision_config)."""
+        d = d.get("vision_config", d)
+        rope = d.get("rope_parameters") or {}
+        return cls(
+            depth=d.get("depth", d.get("num_hidden_layers", 32)),
+            hidden_size=d["hidden_size"],
+            num_heads=d.get("num_heads", d.get("num_attention_heads", 16)),
+            intermediate_size=d["intermediate_size"],
+            out_hidden_size=d["out_hidden_size"],
+            patch_size=d.get("patch_size", 14),
+            temporal_patch_size=d.get("temporal_patch_size", 2),
+            spatial_merge_size=d.get("spatial_merge_size", 2),
+            window_size=d.get("window_size", 112),
+            fullatt_block_indexes=tuple(d.get("fullatt_block_indexes", (7, 15, 23, 31))),
+            in_channels=d.get("in_channels", d.get("in_chans", 3)),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            hidden_act=d.get("hidden_act", "silu"),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The transformers `Qwen2_5_VLVisionConfig` keyword arguments for this shape."""
+        return dict(
+            depth=self.depth, hidden_size=self.hidden_size, num_heads=self.num_heads,
+            intermediate_size=self.intermediate_size, out_hidden_size=self.out_hidden_size,
+            patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
+            spatial_merge_size=self.spatial_merge_size, window_size=self.window_size,
+            fullatt_block_indexes=list(self.fullatt_block_indexes), in_channels=self.in_channels,
+            hidden_act=self.hidden_act,
+        )
+
+
+VISION_PRESETS: dict[str, VisionConfig] = {
+    "tiny": VisionConfig(),
+    "qwen2.5-vl-7b": VisionConfig(
+        depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, out_hidden_size=3584,
+        window_size=112, fullatt_block_indexes=(7, 15, 23, 31),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """Image decode + resize/normalize/patchify, as in transformers' `Qwen2VLImageProcessor`."""
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    image_mean: tuple[float, float, float] = _OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = _OPENAI_CLIP_STD
+    decode_backend: str = "auto"
+    max_source_pixels: int = 64_000_000
+    max_aspect_ratio: float = 200.0
+
+    def __post_init__(self) -> None:
+        _require(0 < self.min_pixels <= self.max_pixels, "need 0 < min_pixels <= max_pixels")
+        _require(self.max_source_pixels > 0, "max_source_pixels must be > 0")
+        _require(self.decode_backend in ("auto", "pil", "nvjpeg", "dali"),
+                 f"decode_backend must be auto|pil|nvjpeg|dali, got {self.decode_backend!r}")
+        _require(len(self.image_mean) == 3 and len(self.image_std) == 3, "mean/std need 3 channels")
+        _require(all(s > 0 for s in self.image_std), "image_std must be > 0")
+
+    @property
+    def resize_factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+@dataclass(frozen=True)
+class FetchConfig:
+    """Where media may come from and how much of it."""
+
+    max_download_bytes: int = 32 * 1024 * 1024
+    fetch_timeout_s: float = 10.0
+    max_redirects: int = 5
+    allow_private_urls: bool = False
+    allowed_local_media_dir: str | None = None
+    num_fetch_threads: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.max_download_bytes > 0, "max_download_bytes must be > 0")
+        _require(self.fetch_timeout_s > 0, "fetch_timeout_s must be > 0")
+        _require(self.max_redirects >= 0, "max_redirects must be >= 0")
+        _require(self.num_fetch_threads > 0, "num_fetch_threads must be > 0")
+        if self.allowed_local_media_dir is not None:
+            _require(Path(self.allowed_local_media_dir).is_dir(),
+                     f"allowed_local_media_dir {self.allowed_local_media_dir!r} is not a directory")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One encoder worker: model, device and batching limits."""
+
+    vision_model: str = "tiny"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_tokens: int = 32768
+    max_batch_items: int = 64
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                 f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        _require(self.max_batch_tokens > 0 and self.max_batch_items > 0, "batch limits must be > 0")
+        is_preset = self.vision_model in VISION_PRESETS
+        _require(is_preset or Path(self.vision_model).is_dir(),
+                 f"vision_model {self.vision_model!r} is neither a preset {sorted(VISION_PRESETS)} "
+                 "nor a local directory")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The gateway and its limits. Nested configs are flattened into CLI flags by field name."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "mmenc-vision"
+    max_items_per_request: int = 64
+    max_body_bytes: int = 64 * 1024 * 1024
+    request_timeout_s: float = 120.0
+    log_level: str = "info"
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    fetch: FetchConfig = field(default_factory=FetchConfig)
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port < 65536, f"port out of range: {self.port}")
+        _require(self.max_items_per_request > 0, "max_items_per_request must be > 0")
+        _require(self.max_body_bytes > 0, "max_body_bytes must be > 0")
+        _require(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        _require(self.log_level in ("debug", "info", "warning", "error"), "bad log_level")
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    """(scalar type, is_optional) of an annotation like `int`, `str | None`, `tuple[float, ...]`."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])[0], True
+    return tp, False
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of `cls` (recursing into nested config dataclasses)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        tp, _ = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            add_config_args(parser, tp, skip)
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        help_text = f"(default: {default!r})"
+        if tp is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=default, help=help_text)
+        elif typing.get_origin(tp) is tuple:
+            elem = typing.get_args(tp)[0]
+            parser.add_argument(_flag(f.name), dest=f.name, type=lambda s, e=elem: tuple(e(x) for x in s.split(",")),
+                                default=default, help=f"comma-separated {help_text}")
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, type=tp, default=default, help=help_text)
+
+
+def config_from_args(cls: type, ns: argparse.Namespace) -> Any:
+    """Build `cls` from parsed flags (the inverse of `add_config_args`)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        tp, _ = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(tp):
+            kwargs[f.name] = config_from_args(tp, ns)
+        elif hasattr(ns, f.name):
+            kwargs[f.name] = getattr(ns, f.name)
+    return cls(**kwargs)
+
+
+def config_to_json(cfg: Any) -> str:
+    return json.dumps(dataclasses.asdict(cfg))
+
+
+def config_from_json(cls: type, text: str) -> Any:
+    return _from_dict(cls, json.loads(text))
+
+
+def _from_dict(cls: type, d: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in d:
+            continue
+        tp, _ = _base_type(hints[f.name])
+        value = d[f.name]
+        if dataclasses.is_dataclass(tp):
+            value = _from_dict(tp, value)
+        elif typing.get_origin(tp) is tuple and value is not None:
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)
+

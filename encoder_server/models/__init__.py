@@ -1,0 +1,1 @@
+"""Encoder models (vision ViT)."""

@@ -1,0 +1,1 @@
+"""mmenc input preprocessing: fetch, decode, resize/normalize/patchify on the device."""
