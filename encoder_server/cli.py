@@ -1,0 +1,97 @@
+"""The `mmenc` command: `serve`, `embed FILE...`, `bench vit|preprocess`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from encoder_server.config import PreprocessConfig, ServerArgs, WorkerConfig, add_config_args, config_from_args
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from encoder_server.serve import serve
+
+    serve(config_from_args(ServerArgs, ns))
+    return 0
+
+
+def _embed(ns: argparse.Namespace) -> int:
+    """Encode local image files in this process and print one line per file."""
+    import torch
+
+    from encoder_server.models.loader import load_vision, resolve_device, resolve_dtype
+    from preprocess.decode import decode_images, resolve_backend
+    from preprocess.errors import MediaError
+    from preprocess.image import preprocess_images
+
+    worker: WorkerConfig = config_from_args(WorkerConfig, ns)
+    prep: PreprocessConfig = config_from_args(PreprocessConfig, ns)
+    device = resolve_device(worker.device)
+    dtype = resolve_dtype(worker.dtype, device)
+    loaded = load_vision(worker.vision_model, device, dtype)
+    backend = resolve_backend(prep.decode_backend, device)
+    failed = 0
+    for path in ns.files:
+        start = time.perf_counter()
+        try:
+            blob = Path(path).read_bytes()
+            image = decode_images([blob], backend, device, prep.max_source_pixels)[0]
+            if isinstance(image, MediaError):
+                raise image
+            batch = preprocess_images([image], prep, device, out_dtype=dtype)
+            with torch.inference_mode():
+                out = loaded.model(batch.pixel_values, batch.grid_thw)  # [tokens, D]
+        except (OSError, MediaError) as e:
+            print(f"{path}: error: {e}", file=sys.stderr)
+            failed += 1
+            continue
+        grid = tuple(batch.grid_thw[0].tolist())
+        ms = (time.perf_counter() - start) * 1e3
+        print(f"{path}: grid_thw={grid} shape={tuple(out.shape)} norm={out.float().norm():.4f} "
+              f"mean_norm={out.float().mean(0).norm():.4f} ({ms:.1f} ms)")
+    return 1 if failed else 0
+
+
+def _bench(ns: argparse.Namespace, rest: list[str]) -> int:
+    if ns.what == "vit":
+        from bench.vit import main as bench_main
+    else:
+        from bench.preprocess import main as bench_main
+    return bench_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmenc", description="Multimodal encoder server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the gateway and an encoder worker on this machine")
+    add_config_args(serve, ServerArgs)
+    embed = sub.add_parser("embed", help="encode local image files and print shape and norm")
+    embed.add_argument("files", nargs="+")
+    add_config_args(embed, WorkerConfig)
+    add_config_args(embed, PreprocessConfig)
+    bench = sub.add_parser("bench", help="benchmarks (run on a GPU machine); `mmenc bench vit --help`")
+    bench.add_argument("what", choices=["vit", "preprocess"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    ns, rest = parser.parse_known_args(argv)
+    if ns.command == "bench":
+        return _bench(ns, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if ns.command == "serve":
+            return _serve(ns)
+        return _embed(ns)
+    except ValueError as e:  # configuration errors: one clear line, no traceback
+        print(f"mmenc: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Messages on the gateway <-> encoder worker link (ZeroMQ DEALER -> ROUTER).
+
+Each message is a multipart: frame 0 is a small JSON header (one of the dataclasses below), the rest
+are raw byte frames (inline media going in, tensor bytes coming out). Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+POOLINGS = ("mean", "none")
+
+
+@dataclass(frozen=True)
+class EncodeItem:
+    """One media item. `source` is a URL or local path; with `inline` its bytes ride in a frame."""
+
+    index: int
+    modality: str
+    source: str
+    inline: bool = False
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    request_id: str
+    items: tuple[EncodeItem, ...]
+    pooling: str = "mean"
+    kind: str = field(default="encode", init=False)
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """Result for one item: an embedding (in the next frame) or an error. Sent as soon as it exists."""
+
+    request_id: str
+    index: int
+    error_code: str | None = None
+    error_message: str | None = None
+    error_status: int = 200
+    dtype: str = "float32"
+    shape: tuple[int, ...] = ()
+    grid_thw: tuple[int, int, int] | None = None
+    num_tokens: int = 0
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    kind: str = field(default="result", init=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Sent once on connect/ping: the worker has loaded its model and accepts requests."""
+
+    model_fingerprint: str
+    device: str
+    out_dim: int
+    kind: str = field(default="ready", init=False)
+
+
+@dataclass(frozen=True)
+class Ping:
+    kind: str = field(default="ping", init=False)
+
+
+_KINDS: dict[str, type] = {"encode": EncodeRequest, "result": ItemResult, "ready": WorkerReady, "ping": Ping}
+
+
+def pack(msg: Any) -> bytes:
+    return json.dumps(asdict(msg), separators=(",", ":")).encode()
+
+
+def unpack(frame: bytes | memoryview) -> Any:
+    """Parse a header frame into its dataclass. Raises ValueError on anything malformed."""
+    try:
+        d = json.loads(bytes(frame))
+        cls = _KINDS[d.pop("kind")]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"malformed header frame: {e}") from None
+    if cls is EncodeRequest:
+        d["items"] = tuple(EncodeItem(**it) for it in d["items"])
+    if cls is ItemResult:
+        d["shape"] = tuple(d["shape"])
+        d["grid_thw"] = tuple(d["grid_thw"]) if d["grid_thw"] is not None else None
+    return cls(**d)
+
+
+def tensor_frame(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a CPU tensor (contiguous), for `send_multipart(..., copy=False)`."""
+    return memoryview(t.detach().contiguous().numpy()).cast("B")
+
+
+def frame_tensor(frame: bytes | memoryview, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    return np.frombuffer(frame, dtype=np.dtype(dtype)).reshape(shape)
