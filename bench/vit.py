@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = None if a.no_reference else _reference(cfg, ours, "sdpa")
     ours.prepare_for_inference()
     if a.compile:
-        for i, block in enumerate(ours.blocks):
-            ours.blocks[i] = torch.compile(block, dynamic=True)
+        ours.compile_blocks()
     num_params = sum(p.numel() for p in ours.parameters())
     rows: list[dict[str, Any]] = []
     for size in _ints(a.sizes):

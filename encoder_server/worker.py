@@ -85,6 +85,8 @@ class EncoderWorker:
         self.dtype = resolve_dtype(worker.dtype, self.device)
         loaded = load_vision(worker.vision_model, self.device, self.dtype)
         self.model, self.fingerprint = loaded.model, loaded.fingerprint
+        if worker.compile:
+            self.model.compile_blocks()
         vc = loaded.cfg
         if (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size) != (
                 prep.patch_size, prep.merge_size, prep.temporal_patch_size):
@@ -254,7 +256,7 @@ def _ms_since(start: float) -> float:
 def worker_main(address: str, worker: WorkerConfig, prep: PreprocessConfig, fetch: FetchConfig,
                 log_level: str = "info") -> None:
     """Process entry point (spawned by the supervisor)."""
-    from encoder_server.logs import setup_logging, set_process_name
+    from encoder_server.logs import set_process_name, setup_logging
 
     setup_logging(log_level)
     set_process_name("mmenc-worker-0")

@@ -34,7 +34,8 @@ class ItemOutput:
 class _Pending:
     num_items: int
     outputs: dict[int, ItemOutput] = field(default_factory=dict)
-    done: asyncio.Future[dict[int, ItemOutput]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Future[dict[int, ItemOutput]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class WorkerClient:

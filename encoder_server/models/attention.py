@@ -52,13 +52,11 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Segments, floa
 def sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments, scale: float) -> torch.Tensor:
     """q, k, v: [T, H, D] -> [T, H, D]; attention only within each segment."""
     out = torch.empty_like(q)
+    num_heads, head_dim = q.shape[1], q.shape[2]
     for group in seg.groups:
-        num_heads, head_dim = q.shape[1], q.shape[2]
-
-        def gather(x: torch.Tensor, g: SegmentGroup = group) -> torch.Tensor:
-            return x.index_select(0, g.index).view(-1, g.length, num_heads, head_dim).transpose(1, 2)
-
-        o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), scale=scale)  # [S, H, L, D]
+        shape = (-1, group.length, num_heads, head_dim)
+        qs, ks, vs = (x.index_select(0, group.index).view(shape).transpose(1, 2) for x in (q, k, v))  # [S, H, L, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [S, H, L, D]
         out.index_copy_(0, group.index, o.transpose(1, 2).reshape(-1, num_heads, head_dim))
     return out
 

@@ -179,6 +179,12 @@ class VisionTransformer(nn.Module):
             block.mlp.fuse_gate_up()
         return self
 
+    def compile_blocks(self) -> VisionTransformer:
+        """torch.compile each block (fuses norms, rotary, activation and residual adds around the GEMMs)."""
+        for i, block in enumerate(self.blocks):
+            self.blocks[i] = torch.compile(block, dynamic=True)
+        return self
+
     def layout(self, grids: Sequence[Grid]) -> PackedLayout:
         device, dtype = self.merger.ln_q.weight.device, self.merger.ln_q.weight.dtype
         backend = select_backend(self.attn_backend_name, device, dtype)

@@ -77,7 +77,7 @@ def build_layout(grids: list[Grid], merge: int, window_units: int, device: torch
                  with_groups: bool) -> PackedLayout:
     """Concatenate per-grid layouts with offsets; one host->device copy per tensor."""
     unit = merge * merge
-    token_orders, positions, unit_orders = [], [], []
+    positions, unit_orders = [], []
     full_lengths: list[int] = []
     window_lengths: list[int] = []
     token_offset = 0
