@@ -9,7 +9,7 @@ what=$1; shift
 case "$what" in
   tests) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
          python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_vision_gpu.py tests/test_image_preprocess.py \
-           tests/test_decode.py "$@" 2>&1 | tail -30 ;;
+           tests/test_decode.py tests/test_server_gpu.py "$@" 2>&1 | tail -30 ;;
   vit) python3 -m encoder_server.cli bench vit --out-dir "$OUT" --sizes 448,1008 --batches 1,4,16,32 \
          --ref-max-batch 32 "$@" ;;
   vit-compile) python3 -m encoder_server.cli bench vit --out-dir "$OUT" --name vit_compile --compile \

@@ -35,7 +35,8 @@ class ServerProcess:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"mmenc-test-{self.port}.log"
 
     def start(self) -> ServerProcess:
-        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1")
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "encoder_server.cli", "serve", "--port", str(self.port), *self.flags],

@@ -23,6 +23,7 @@ def test_flash_matches_sdpa_and_transformers_at_7b_shape() -> None:
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
+    torch.backends.cudnn.allow_tf32 = False  # transformers' Conv3d patch embedding would run in TF32
     cfg = VisionConfig.preset("qwen2.5-vl-7b")
     fp32 = VisionTransformer(cfg, attn_backend="sdpa")
     init_random(fp32, seed=0)
@@ -42,12 +43,17 @@ def test_flash_matches_sdpa_and_transformers_at_7b_shape() -> None:
     expected = ref(x, torch.tensor(GRIDS, device="cuda")).pooler_output
     assert _relative_error(exact, expected) < 1e-4
     got = flash(x.bfloat16(), GRIDS)
-    # bf16 weights and activations through 32 blocks: a few per mille of the output's norm.
-    assert _relative_error(got, exact) < 2e-2
-    # Each image the same alone as packed.
+    # bf16 through 32 blocks drifts from fp32 by a few percent of the output norm, for transformers too:
+    # ours must drift no more than transformers' own bf16 run does (25% margin for rounding luck).
+    ref_bf16 = ref.to(torch.bfloat16)(x.bfloat16(), torch.tensor(GRIDS, device="cuda")).pooler_output
+    bf16_noise = _relative_error(ref_bf16, exact)
+    assert _relative_error(got, exact) < 1.25 * bf16_noise
+    # Each image alone equals its slice of the packed batch: exactly in fp32, within bf16 noise with flash
+    # (a segment-boundary bug would show as an O(1) difference).
     out_offset = in_offset = 0
     for grid in GRIDS:
         n = grid[0] * grid[1] * grid[2]
-        alone = flash(x[in_offset:in_offset + n].bfloat16(), [grid])
-        assert _relative_error(alone, got[out_offset:out_offset + n // 4]) < 1e-2
+        rows = slice(out_offset, out_offset + n // 4)
+        assert _relative_error(fp32(x[in_offset:in_offset + n], [grid]), exact[rows]) < 1e-4
+        assert _relative_error(flash(x[in_offset:in_offset + n].bfloat16(), [grid]), got[rows]) < 2 * bf16_noise
         in_offset, out_offset = in_offset + n, out_offset + n // 4
