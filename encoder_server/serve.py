@@ -35,14 +35,15 @@ def sample_data_uri() -> str:
 
 def banner(args: ServerArgs) -> str:
     base = f"http://{args.host}:{args.port}"
+    image = sample_data_uri()
     return f"""
 mmenc is serving {args.model_name} ({args.worker.vision_model}) on {base}
 
   curl -s {base}/v1/embeddings -H 'Content-Type: application/json' \\
-    -d '{{"input": "{sample_data_uri()}"}}' | head -c 300
+    -d '{{"input": "{image}"}}' | head -c 300
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
-print(len(c.embeddings.create(model='{args.model_name}', input=['<image URL or data: URI>']).data[0].embedding))"
+  .venv/bin/python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
+print(len(c.embeddings.create(model='{args.model_name}', input=['{image}']).data[0].embedding))"
 
   health: {base}/health   models: {base}/v1/models   stop: Ctrl-C
 """
@@ -76,6 +77,7 @@ def serve(args: ServerArgs) -> None:
         print(banner(args), flush=True)
 
     async def stop_workers(app: web.Application) -> None:
+        asyncio.get_running_loop().remove_reader(proc.sentinel)  # an exit from here on is expected
         for client in app[CLIENTS]:
             await client.close()
         proc.terminate()

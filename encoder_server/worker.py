@@ -85,8 +85,9 @@ class EncoderWorker:
         self.dtype = resolve_dtype(worker.dtype, self.device)
         loaded = load_vision(worker.vision_model, self.device, self.dtype)
         self.model, self.fingerprint = loaded.model, loaded.fingerprint
-        if worker.compile:
+        if worker.compile and self.device.type == "cuda":
             self.model.compile_blocks()
+            self.warm_up()
         vc = loaded.cfg
         if (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size) != (
                 prep.patch_size, prep.merge_size, prep.temporal_patch_size):
@@ -99,6 +100,16 @@ class EncoderWorker:
         ready = m.WorkerReady(self.fingerprint, str(self.device), vc.out_hidden_size)
         self.io = WorkerIO(address, self.on_request, ready)
         self.num_forwards = 0
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run two packed forwards of different sizes so compilation happens before the first request."""
+        start = time.perf_counter()
+        unit = self.model.cfg.spatial_merge_size
+        for grids in ([(1, 4 * unit, 6 * unit)], [(1, 8 * unit, 4 * unit), (1, 2 * unit, 2 * unit)]):
+            num_patches = sum(t * h * w for t, h, w in grids)
+            self.model(torch.zeros(num_patches, self.model.cfg.patch_dim, device=self.device, dtype=self.dtype), grids)
+        log.info("warm-up (compile) took %.1f s", time.perf_counter() - start)
 
     # ------------------------------------------------------------------ socket thread side
 
