@@ -151,7 +151,13 @@ class EncoderWorker:
         while (items := self.take_ready()) is not None:
             items = self.decode(items)
             for batch in pack_by_budget(items, self.cfg.max_batch_tokens, self.cfg.max_batch_items):
-                self.encode_and_publish(batch)
+                try:
+                    self.encode_and_publish(batch)
+                except Exception as e:  # e.g. CUDA OOM: fail this forward's items, keep serving
+                    log.exception("forward of %d items failed", len(batch))
+                    for it in batch:
+                        it.error = MediaError(f"encoder failed: {type(e).__name__}", code="internal", status=500)
+                        self.publish_error(it)
 
     def take_ready(self) -> list[Item] | None:
         """Block for one ready item, then take every other one already waiting. None means shut down."""
