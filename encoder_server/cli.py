@@ -11,9 +11,16 @@ from encoder_server.config import PreprocessConfig, ServerArgs, WorkerConfig, ad
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    import tempfile
+
+    from encoder_server.logs import enable_multiprocess_metrics
+
+    args = config_from_args(ServerArgs, ns)
+    run_dir = Path(tempfile.mkdtemp(prefix="mmenc-"))
+    enable_multiprocess_metrics(run_dir / "metrics")  # before anything imports prometheus_client
     from encoder_server.serve import serve
 
-    serve(config_from_args(ServerArgs, ns))
+    serve(args, run_dir)
     return 0
 
 
@@ -57,6 +64,8 @@ def _embed(ns: argparse.Namespace) -> int:
 def _bench(ns: argparse.Namespace, rest: list[str]) -> int:
     if ns.what == "vit":
         from bench.vit import main as bench_main
+    elif ns.what == "serve":
+        from bench.serve import main as bench_main
     else:
         from bench.preprocess import main as bench_main
     return bench_main(rest)
@@ -72,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(embed, WorkerConfig)
     add_config_args(embed, PreprocessConfig)
     bench = sub.add_parser("bench", help="benchmarks (run on a GPU machine); `mmenc bench vit --help`")
-    bench.add_argument("what", choices=["vit", "preprocess"])
+    bench.add_argument("what", choices=["vit", "preprocess", "serve"])
     return parser
 
 

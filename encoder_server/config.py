@@ -151,13 +151,13 @@ class FetchConfig:
     max_redirects: int = 5
     allow_private_urls: bool = False
     allowed_local_media_dir: str | None = None
-    num_fetch_threads: int = 8
+    num_fetch_procs: int = 4
 
     def __post_init__(self) -> None:
         _require(self.max_download_bytes > 0, "max_download_bytes must be > 0")
         _require(self.fetch_timeout_s > 0, "fetch_timeout_s must be > 0")
         _require(self.max_redirects >= 0, "max_redirects must be >= 0")
-        _require(self.num_fetch_threads > 0, "num_fetch_threads must be > 0")
+        _require(self.num_fetch_procs > 0, "num_fetch_procs must be > 0")
         if self.allowed_local_media_dir is not None:
             _require(Path(self.allowed_local_media_dir).is_dir(),
                      f"allowed_local_media_dir {self.allowed_local_media_dir!r} is not a directory")
@@ -172,12 +172,14 @@ class WorkerConfig:
     dtype: str = "auto"
     max_batch_tokens: int = 32768
     max_batch_items: int = 64
+    max_wait_ms: float = 2.0
     compile: bool = True  # torch.compile the ViT blocks; CUDA only (1.6x there), ignored on CPU
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                  f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         _require(self.max_batch_tokens > 0 and self.max_batch_items > 0, "batch limits must be > 0")
+        _require(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
         is_preset = self.vision_model in VISION_PRESETS
         _require(is_preset or Path(self.vision_model).is_dir(),
                  f"vision_model {self.vision_model!r} is neither a preset {sorted(VISION_PRESETS)} "
@@ -191,6 +193,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str = "mmenc-vision"
+    num_workers: int = 0  # 0: one per visible GPU, or one on the CPU
     max_items_per_request: int = 64
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout_s: float = 120.0
@@ -201,6 +204,7 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port out of range: {self.port}")
+        _require(self.num_workers >= 0, "num_workers must be >= 0 (0 = one per GPU)")
         _require(self.max_items_per_request > 0, "max_items_per_request must be > 0")
         _require(self.max_body_bytes > 0, "max_body_bytes must be > 0")
         _require(self.request_timeout_s > 0, "request_timeout_s must be > 0")

@@ -8,10 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from encoder_server import metrics
 from encoder_server.api import ApiError, build_embeddings_response, parse_embeddings_request
 from encoder_server.config import ServerArgs
 from encoder_server.worker import fetch_policy
@@ -19,12 +20,29 @@ from encoder_server.worker_client import WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
-CLIENTS = web.AppKey("clients", list)
+
+class WorkerPicker(Protocol):
+    clients: list[WorkerClient]
+
+    def pick(self, exclude: WorkerClient | None = None) -> WorkerClient: ...
+
+
+FLEET = web.AppKey("fleet", WorkerPicker)
 ARGS = web.AppKey("args", ServerArgs)
 
 
 def _error(exc: ApiError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    start = time.perf_counter()
+    response = await handler(request)
+    metrics.REQUESTS.labels(route, str(response.status)).inc()
+    metrics.REQUEST_SECONDS.labels(route).observe(time.perf_counter() - start)
+    return response
 
 
 @web.middleware
@@ -54,22 +72,21 @@ async def _json_body(request: web.Request) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
 
-def _pick_worker(request: web.Request) -> WorkerClient:
-    ready = [c for c in request.app[CLIENTS] if c.ready is not None]
-    if not ready:
-        raise ApiError(503, "no encoder worker is ready", code="unavailable")
-    return ready[0]
-
-
 async def embeddings(request: web.Request) -> web.Response:
     args = request.app[ARGS]
     start = time.perf_counter()
     body = await _json_body(request)
     req = parse_embeddings_request(body, fetch_policy(args.fetch), args.max_items_per_request)
     parse_ms = (time.perf_counter() - start) * 1e3
-    client = _pick_worker(request)
+    fleet = request.app[FLEET]
     try:
-        outputs = await client.encode(req.items, req.blobs, req.pooling, args.request_timeout_s)
+        client = fleet.pick()
+        try:
+            outputs = await client.encode(req.items, req.blobs, req.pooling, args.request_timeout_s)
+        except WorkerUnavailable as first:  # the worker died with the request in flight: once more elsewhere
+            log.warning("retrying a request after: %s", first)
+            outputs = await fleet.pick(exclude=client).encode(req.items, req.blobs, req.pooling,
+                                                              args.request_timeout_s)
     except WorkerUnavailable as e:
         raise ApiError(503, f"encoder worker unavailable: {e}", code="unavailable") from None
     except TimeoutError:
@@ -90,18 +107,24 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     workers = [{"address": c.address, "ready": c.ready is not None, "device": c.ready.device if c.ready else None,
-                "error": c.dead_reason} for c in request.app[CLIENTS]]
+                "pid": c.ready.pid if c.ready else None,
+                "error": c.dead_reason, "inflight_items": c.num_inflight_items} for c in request.app[FLEET].clients]
     ok = any(w["ready"] for w in workers)
     return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers},
                              status=200 if ok else 503)
 
 
-def build_app(args: ServerArgs) -> web.Application:
-    """The aiohttp app; the caller puts connected `WorkerClient`s into `app[CLIENTS]` on startup."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=args.max_body_bytes)
+async def metrics_text(request: web.Request) -> web.Response:
+    return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+def build_app(args: ServerArgs, fleet: WorkerPicker) -> web.Application:
+    """The aiohttp app over `fleet` (anything with `clients` and `pick`)."""
+    app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=args.max_body_bytes)
     app[ARGS] = args
-    app[CLIENTS] = []
+    app[FLEET] = fleet
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_text)
     return app

@@ -62,6 +62,7 @@ class WorkerReady:
     model_fingerprint: str
     device: str
     out_dim: int
+    pid: int
     kind: str = field(default="ready", init=False)
 
 

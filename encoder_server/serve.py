@@ -1,24 +1,21 @@
-"""`mmenc serve`: the supervisor process. Spawns the encoder worker, hosts the gateway, stops cleanly."""
+"""`mmenc serve`: the supervisor process. Hosts the gateway and the encoder fleet, stops cleanly."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import multiprocessing as mp
 import shutil
-import tempfile
+from pathlib import Path
 
 from aiohttp import web
 
 from encoder_server.config import ServerArgs
-from encoder_server.gateway import CLIENTS, build_app
+from encoder_server.fleet import Fleet
+from encoder_server.gateway import build_app
 from encoder_server.logs import set_process_name, setup_logging
-from encoder_server.worker import worker_main
-from encoder_server.worker_client import WorkerClient
+from encoder_server.worker_client import WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
-WORKER_START_TIMEOUT_S = 600.0
 
 
 def sample_data_uri() -> str:
@@ -49,43 +46,29 @@ print(len(c.embeddings.create(model='{args.model_name}', input=['{image}']).data
 """
 
 
-def serve(args: ServerArgs) -> None:
+def serve(args: ServerArgs, run_dir: Path) -> None:
+    """Run the gateway and the fleet until SIGINT/SIGTERM. `run_dir` holds sockets and metrics; removed at exit."""
     setup_logging(args.log_level)
     set_process_name("mmenc-serve")
-    run_dir = tempfile.mkdtemp(prefix="mmenc-")
-    address = f"ipc://{run_dir}/worker-0"
-    proc = mp.get_context("spawn").Process(
-        target=worker_main, args=(address, args.worker, args.preprocess, args.fetch, args.log_level),
-        name="mmenc-worker-0", daemon=True)
-    proc.start()
-    app = build_app(args)
+    fleet = Fleet(args, run_dir)
+    app = build_app(args, fleet)
 
-    async def start_workers(app: web.Application) -> None:
-        client = WorkerClient(address)
-        app[CLIENTS].append(client)
-        loop = asyncio.get_running_loop()
-
-        def on_exit() -> None:
-            loop.remove_reader(proc.sentinel)
-            proc.join(0)
-            log.error("encoder worker exited (code %s)", proc.exitcode)
-            client.mark_dead(f"encoder worker exited with code {proc.exitcode}")
-
-        loop.add_reader(proc.sentinel, on_exit)
-        ready = await client.wait_ready(WORKER_START_TIMEOUT_S)
-        log.info("worker ready: device %s, embedding dim %d", ready.device, ready.out_dim)
+    async def start_fleet(app: web.Application) -> None:
+        await fleet.start()
+        ready = fleet.slots[0].client.ready
+        log.info("%d worker(s) ready: %s, embedding dim %d", len(fleet.slots),
+                 ", ".join(s.device for s in fleet.slots), ready.out_dim if ready else -1)
         print(banner(args), flush=True)
 
-    async def stop_workers(app: web.Application) -> None:
-        asyncio.get_running_loop().remove_reader(proc.sentinel)  # an exit from here on is expected
-        for client in app[CLIENTS]:
-            await client.close()
-        proc.terminate()
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
+    async def stop_fleet(app: web.Application) -> None:
+        await fleet.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
 
-    app.on_startup.append(start_workers)
-    app.on_cleanup.append(stop_workers)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    app.on_startup.append(start_fleet)
+    app.on_cleanup.append(stop_fleet)
+    try:
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    except WorkerUnavailable as e:
+        raise SystemExit(f"mmenc: error: the encoder fleet did not start: {e} (see the log above)") from None
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,32 +1,40 @@
 """One encoder worker: fetch -> preprocess -> encode -> publish, batching items across requests.
 
-Requests arrive on the socket thread (`WorkerIO`), which starts each item's fetch (and CPU decode) on a
-thread pool at once. Fetched items land on a queue; the encode loop takes everything that is ready,
-decodes on the device where the backend does that, packs items under the token budget into forwards,
-and publishes each item's embedding the moment its forward is done.
+Requests arrive on the socket thread (`WorkerIO`), which hands each item to the fetch pool (processes
+that download and decode) at once. Fetched items go to the `BatchScheduler`. The encode loop overlaps
+its stages: while forward k runs on the GPU, batch k+1 is taken from the scheduler, decoded and
+preprocessed on a separate CUDA stream; then forward k's results are published, item by item.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import torch
 import zmq
 
 from encoder_server import messages as m
+from encoder_server import metrics
 from encoder_server.config import FetchConfig, PreprocessConfig, WorkerConfig
 from encoder_server.models.loader import load_vision, resolve_device, resolve_dtype
+from encoder_server.scheduler import BatchScheduler
 from encoder_server.worker_io import WorkerIO
-from preprocess.decode import decode_images, resolve_backend
-from preprocess.errors import DecodeError, MediaError
-from preprocess.fetch import FetchPolicy, fetch_media
-from preprocess.image import preprocess_images, smart_resize
+from preprocess.decode import decode_images, displayed_size, resolve_backend
+from preprocess.errors import MediaError
+from preprocess.fetch import FetchPolicy
+from preprocess.fetch_pool import FetchPool, FetchResult, FetchTask
+from preprocess.image import ImageBatch, preprocess_images, smart_resize
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 @dataclass
@@ -37,18 +45,44 @@ class Item:
     request_id: str
     index: int
     pooling: str
+    modality: str
     arrived: float
     ready_at: float = 0.0
-    blob: bytes | None = None
+    blob: bytes | None = None  # compressed, for decoding on the device
     image: torch.Tensor | None = None  # uint8 [3, H, W] once decoded
     error: MediaError | None = None
-    grid: tuple[int, int, int] | None = None
+    grid: tuple[int, int, int] = (1, 0, 0)
     timings_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_patches(self) -> int:
-        assert self.grid is not None
         return self.grid[0] * self.grid[1] * self.grid[2]
+
+
+@dataclass
+class Prepared:
+    """A batch whose model inputs are ready (or being uploaded) on the device."""
+
+    items: list[Item]
+    inputs: ImageBatch
+    ready: torch.cuda.Event | None
+    started: float
+
+
+@dataclass
+class InFlight:
+    """A launched forward: device outputs not yet copied back."""
+
+    items: list[Item]
+    pooled: torch.Tensor  # [N, D] on the device
+    full: list[torch.Tensor]  # per item [tokens, D], only for pooling "none"
+    started: float
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without making the host wait for work already queued on the device."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def fetch_policy(cfg: FetchConfig) -> FetchPolicy:
@@ -57,37 +91,15 @@ def fetch_policy(cfg: FetchConfig) -> FetchPolicy:
                        allowed_local_dir=cfg.allowed_local_media_dir)
 
 
-def pack_by_budget(items: list[Item], max_tokens: int, max_items: int) -> list[list[Item]]:
-    """Split items (arrival order kept) into forwards of at most `max_tokens` patches and `max_items` items.
-
-    An item larger than the budget alone still runs, alone.
-    """
-    batches: list[list[Item]] = []
-    current: list[Item] = []
-    tokens = 0
-    for item in items:
-        if current and (tokens + item.num_patches > max_tokens or len(current) >= max_items):
-            batches.append(current)
-            current, tokens = [], 0
-        current.append(item)
-        tokens += item.num_patches
-    if current:
-        batches.append(current)
-    return batches
-
-
 class EncoderWorker:
-    def __init__(self, address: str, worker: WorkerConfig, prep: PreprocessConfig, fetch: FetchConfig) -> None:
-        self.cfg = worker
-        self.prep = prep
-        self.policy = fetch_policy(fetch)
+    def __init__(self, index: int, address: str, worker: WorkerConfig, prep: PreprocessConfig,
+                 fetch: FetchConfig) -> None:
+        self.name = f"worker-{index}"
+        self.cfg, self.prep = worker, prep
         self.device = resolve_device(worker.device)
         self.dtype = resolve_dtype(worker.dtype, self.device)
         loaded = load_vision(worker.vision_model, self.device, self.dtype)
         self.model, self.fingerprint = loaded.model, loaded.fingerprint
-        if worker.compile and self.device.type == "cuda":
-            self.model.compile_blocks()
-            self.warm_up()
         vc = loaded.cfg
         if (vc.patch_size, vc.spatial_merge_size, vc.temporal_patch_size) != (
                 prep.patch_size, prep.merge_size, prep.temporal_patch_size):
@@ -95,11 +107,19 @@ class EncoderWorker:
                              f"{prep.temporal_patch_size} do not match the model's {vc.patch_size}/"
                              f"{vc.spatial_merge_size}/{vc.temporal_patch_size}")
         self.backend = resolve_backend(prep.decode_backend, self.device)
-        self.ready_items: queue.Queue[Item | None] = queue.Queue()
-        self.pool = ThreadPoolExecutor(fetch.num_fetch_threads, thread_name_prefix="fetch")
-        ready = m.WorkerReady(self.fingerprint, str(self.device), vc.out_hidden_size)
+        if worker.compile and self.device.type == "cuda":
+            self.model.compile_blocks()
+            self.warm_up()
+        self.is_cuda = self.device.type == "cuda"
+        self.upload_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.scheduler: BatchScheduler[Item] = BatchScheduler(worker.max_batch_tokens, worker.max_batch_items,
+                                                              worker.max_wait_ms / 1e3)
+        self.fetch_pool = FetchPool(fetch.num_fetch_procs, fetch_policy(fetch), prep.max_source_pixels,
+                                    item_timeout_s=fetch.fetch_timeout_s + 5.0, name=f"mmenc-fetch-{index}")
+        ready = m.WorkerReady(self.fingerprint, str(self.device), vc.out_hidden_size, os.getpid())
         self.io = WorkerIO(address, self.on_request, ready)
-        self.num_forwards = 0
+        self._local = threading.local()  # one PUSH socket per publishing thread (sockets are not thread-safe)
+        self.queue_depth = metrics.QUEUE_DEPTH.labels(self.name)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -111,171 +131,193 @@ class EncoderWorker:
             self.model(torch.zeros(num_patches, self.model.cfg.patch_dim, device=self.device, dtype=self.dtype), grids)
         log.info("warm-up (compile) took %.1f s", time.perf_counter() - start)
 
-    # ------------------------------------------------------------------ socket thread side
+    # ------------------------------------------------------------------ socket thread and fetch pool side
 
     def on_request(self, identity: bytes, req: m.EncodeRequest, payload: list[zmq.Frame]) -> None:
         inline = iter(payload)
         now = time.perf_counter()
         for spec in req.items:
-            item = Item(identity, req.request_id, spec.index, req.pooling, now)
-            blob = next(inline).bytes if spec.inline else None
-            self.pool.submit(self._fetch, item, spec.source, blob)
+            metrics.ITEMS.labels(spec.modality).inc()
+            item = Item(identity, req.request_id, spec.index, req.pooling, spec.modality, now)
+            task = FetchTask(spec.source, next(inline).bytes if spec.inline else None, keep_jpeg=self.backend != "pil")
+            self.fetch_pool.submit(task, partial(self._fetched, item))
 
-    def _fetch(self, item: Item, source: str, blob: bytes | None) -> None:
-        """Runs on the fetch pool: download (unless inline), and decode here when decoding is on the CPU."""
-        start = time.perf_counter()
-        try:
-            item.blob = blob if blob is not None else fetch_media(source, self.policy)
-            item.timings_ms["fetch"] = _ms_since(start)
-            if self.backend == "pil":
-                start = time.perf_counter()
-                item.image = _one(decode_images([item.blob], "pil", "cpu", self.prep.max_source_pixels))
-                item.blob = None
-                item.timings_ms["decode"] = _ms_since(start)
-        except MediaError as e:
-            item.error = e
-        except Exception as e:  # a decoder bug must fail its item, not the worker
-            log.exception("item %s/%d: unexpected fetch/decode failure", item.request_id, item.index)
-            item.error = MediaError(f"internal error while reading media: {type(e).__name__}", code="internal",
-                                    status=500)
+    def _fetched(self, item: Item, result: FetchResult) -> None:
+        """Fetch-pool callback: size the item from its pixels or header, then queue it for a forward."""
+        item.timings_ms.update(result.timings_ms)
+        item.image, item.blob, item.error = result.image, result.blob, result.error
+        if item.error is None:
+            try:
+                height, width = (item.image.shape[-2:] if item.image is not None
+                                  else displayed_size(item.blob, self.prep.max_source_pixels))
+                item.grid = self.grid_for(height, width)
+            except MediaError as e:
+                item.error = e
+        if item.error is not None:
+            self.publish_error(item)
+            return
         item.ready_at = time.perf_counter()
-        self.ready_items.put(item)
+        self.queue_depth.inc()
+        self.scheduler.put(item)
+
+    def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
+        p = self.prep
+        h, w = smart_resize(height, width, p.resize_factor, p.min_pixels, p.max_pixels, p.max_aspect_ratio)
+        return (1, h // p.patch_size, w // p.patch_size)
 
     # ------------------------------------------------------------------ encode loop
 
     def run(self) -> None:
-        self.sender = self.io.sender()
         self.io.start()
-        log.info("worker ready on %s (device %s, %s, decode %s)", self.io.address, self.device, self.dtype,
+        log.info("%s ready on %s (device %s, %s, decode %s)", self.name, self.io.address, self.device, self.dtype,
                  self.backend)
-        while (items := self.take_ready()) is not None:
-            items = self.decode(items)
-            for batch in pack_by_budget(items, self.cfg.max_batch_tokens, self.cfg.max_batch_items):
-                try:
-                    self.encode_and_publish(batch)
-                except Exception as e:  # e.g. CUDA OOM: fail this forward's items, keep serving
-                    log.exception("forward of %d items failed", len(batch))
-                    for it in batch:
-                        it.error = MediaError(f"encoder failed: {type(e).__name__}", code="internal", status=500)
-                        self.publish_error(it)
-
-    def take_ready(self) -> list[Item] | None:
-        """Block for one ready item, then take every other one already waiting. None means shut down."""
-        first = self.ready_items.get()
-        if first is None:
-            return None
-        items = [first]
+        in_flight: InFlight | None = None
         while True:
-            try:
-                nxt = self.ready_items.get_nowait()
-            except queue.Empty:
+            batch = self.scheduler.next_batch(block=in_flight is None)
+            if batch is None:
                 break
-            if nxt is None:
-                self.ready_items.put(None)
-                break
-            items.append(nxt)
-        return items
+            prepared = self.prepare(batch) if batch else None  # overlaps the forward in flight
+            if in_flight is not None:
+                self.guarded(in_flight.items, lambda f=in_flight: self.finish(f))
+                in_flight = None
+            if prepared is not None:
+                in_flight = self.guarded(prepared.items, lambda p=prepared: self.launch(p))
+        if in_flight is not None:
+            self.finish(in_flight)
 
-    def decode(self, items: list[Item]) -> list[Item]:
-        """Decode what is still compressed (batched, on the device), compute grids; publish failures."""
+    def guarded(self, items: list[Item], step: Callable[[], R]) -> R | None:
+        """Run one pipeline step; if it raises (e.g. CUDA OOM) fail its items with 500 and keep serving."""
+        try:
+            return step()
+        except Exception as e:
+            log.exception("%s: a forward of %d items failed", self.name, len(items))
+            for it in items:
+                it.error = MediaError(f"encoder failed: {type(e).__name__}", code="internal", status=500)
+                self.publish_error(it)
+            return None
+
+    def prepare(self, batch: list[Item]) -> Prepared | None:
+        """Decode what is still compressed and build model inputs, on the upload stream."""
         start = time.perf_counter()
-        pending = [it for it in items if it.error is None and it.image is None]
+        self.queue_depth.dec(len(batch))
+        for it in batch:
+            it.timings_ms["queue"] = (start - it.ready_at) * 1e3
+        stream = torch.cuda.stream(self.upload_stream) if self.upload_stream is not None else nullcontext()
+        with stream:
+            batch = self.decode_on_device(batch)
+            if not batch:
+                return None
+            inputs = self.guarded(batch, lambda: preprocess_images([it.image for it in batch], self.prep,
+                                                                   self.device, out_dtype=self.dtype))
+            if inputs is None:
+                return None
+            ready = None
+            if self.upload_stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(self.upload_stream)
+        prep_ms = (time.perf_counter() - start) * 1e3
+        for it in batch:
+            it.image = None
+            it.timings_ms["preprocess"] = prep_ms
+        return Prepared(batch, inputs, ready, start)
+
+    def decode_on_device(self, batch: list[Item]) -> list[Item]:
+        pending = [it for it in batch if it.image is None]
         if pending:
+            start = time.perf_counter()
             decoded = decode_images([it.blob for it in pending], self.backend, self.device,
                                     self.prep.max_source_pixels)
             for it, out in zip(pending, decoded, strict=True):
                 it.blob = None
                 if isinstance(out, MediaError):
                     it.error = out
+                    self.publish_error(it)
                 else:
                     it.image = out
-                    it.timings_ms["decode"] = _ms_since(start)
-        good = []
-        for it in items:
-            if it.error is None:
-                try:
-                    height, width = it.image.shape[-2:]
-                    h, w = smart_resize(height, width, self.prep.resize_factor, self.prep.min_pixels,
-                                        self.prep.max_pixels, self.prep.max_aspect_ratio)
-                    it.grid = (1, h // self.prep.patch_size, w // self.prep.patch_size)
-                except MediaError as e:
-                    it.error = e
-            if it.error is not None:
-                self.publish_error(it)
-            else:
-                good.append(it)
-        return good
+                    it.grid = self.grid_for(*out.shape[-2:])  # equals the header's size but for broken EXIF
+                    it.timings_ms["decode"] = (time.perf_counter() - start) * 1e3
+        return [it for it in batch if it.error is None]
 
     @torch.inference_mode()
-    def encode_and_publish(self, batch: list[Item]) -> None:
-        batch_start = start = time.perf_counter()
-        try:
-            inputs = preprocess_images([it.image for it in batch], self.prep, self.device, out_dtype=self.dtype)
-        except MediaError as e:  # unexpected: sizes were checked; fail the batch's items clearly
-            for it in batch:
-                it.error = e
-                self.publish_error(it)
-            return
-        prep_ms = _ms_since(start)
-        start = time.perf_counter()
-        grids = [it.grid for it in batch]
-        out = self.model(inputs.pixel_values, grids)  # [sum(tokens), D]
-        self.num_forwards += 1
-        lengths = [it.num_patches // self.model.cfg.merge_unit for it in batch]
-        pooled, full = self.pool_outputs(out, lengths, [it.pooling for it in batch])
-        encode_ms = _ms_since(start)
-        for i, it in enumerate(batch):
-            it.image = None
-            it.timings_ms.update(queue=(batch_start - it.ready_at) * 1e3, preprocess=prep_ms, encode=encode_ms)
-            tensor = pooled[i] if it.pooling == "mean" else full[i]
-            self.publish(it, tensor, lengths[i])
-        log.debug("forward: %d items, %d patches, preprocess %.1f ms, encode %.1f ms",
-                  len(batch), sum(it.num_patches for it in batch), prep_ms, encode_ms)
-
-    @staticmethod
-    def pool_outputs(out: torch.Tensor, lengths: list[int], poolings: list[str]
-                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Mean per item on the device, then one device->host copy for the means and one for the rest."""
+    def launch(self, prep: Prepared) -> InFlight:
+        """Queue the forward and the pooling on the device; nothing waits for the device here."""
+        if prep.ready is not None:
+            torch.cuda.current_stream().wait_event(prep.ready)
+            prep.inputs.pixel_values.record_stream(torch.cuda.current_stream())
+        lengths = [it.num_patches // self.model.cfg.merge_unit for it in prep.items]
+        counts = _to_device(torch.tensor(lengths), self.device)  # [N]
+        item_ids = _to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+                              self.device)  # [T]
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.is_cuda else None
+        started = time.perf_counter()
+        if events:
+            events[0].record()
+        out = self.model(prep.inputs.pixel_values, [it.grid for it in prep.items])  # [T, D]
         out32 = out.float()  # [T, D]
-        item_ids = torch.repeat_interleave(torch.arange(len(lengths), device=out.device),
-                                           torch.tensor(lengths, device=out.device))  # [T]
-        sums = torch.zeros(len(lengths), out.shape[1], device=out.device).index_add_(0, item_ids, out32)
-        pooled = (sums / torch.tensor(lengths, device=out.device)[:, None]).cpu()  # [N, D]
-        full = list(out32.cpu().split(lengths)) if "none" in poolings else []
-        return pooled, full
+        sums = torch.zeros(len(lengths), out.shape[1], device=out.device).index_add_(0, item_ids, out32)  # [N, D]
+        pooled = sums / counts[:, None]  # [N, D]
+        full = list(out32.split(lengths)) if any(it.pooling == "none" for it in prep.items) else []
+        if events:
+            events[1].record()
+        return InFlight(prep.items, pooled, full, started, events)
 
-    def publish(self, it: Item, tensor: torch.Tensor, num_tokens: int) -> None:
-        header = m.ItemResult(it.request_id, it.index, dtype="float32", shape=tuple(tensor.shape),
-                              grid_thw=it.grid, num_tokens=num_tokens,
+    def finish(self, flight: InFlight) -> None:
+        """Wait for the forward, copy results to the host (one copy per kind), publish each item."""
+        pooled = flight.pooled.cpu()  # [N, D]
+        full = [t.cpu() for t in flight.full]
+        encode_s = (flight.events[0].elapsed_time(flight.events[1]) / 1e3 if flight.events
+                    else time.perf_counter() - flight.started)
+        metrics.FORWARDS.labels(self.name, flight.items[0].modality).inc()
+        metrics.FORWARD_ITEMS.observe(len(flight.items))
+        metrics.FORWARD_TOKENS.observe(sum(it.num_patches for it in flight.items))
+        metrics.ENCODE_BUSY.labels(self.name).inc(encode_s)
+        for i, it in enumerate(flight.items):
+            it.timings_ms["encode"] = encode_s * 1e3
+            start = time.perf_counter()
+            self.publish(it, pooled[i] if it.pooling == "mean" else full[i])
+            it.timings_ms["publish"] = (time.perf_counter() - start) * 1e3
+            for stage, ms in it.timings_ms.items():
+                metrics.STAGE_SECONDS.labels(stage).observe(ms / 1e3)
+
+    # ------------------------------------------------------------------ results
+
+    def _sender(self) -> zmq.Socket:
+        sock = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = self._local.sock = self.io.sender()
+        return sock
+
+    def publish(self, it: Item, tensor: torch.Tensor) -> None:
+        header = m.ItemResult(it.request_id, it.index, dtype="float32", shape=tuple(tensor.shape), grid_thw=it.grid,
+                              num_tokens=it.num_patches // self.model.cfg.merge_unit,
                               timings_ms={k: round(v, 3) for k, v in it.timings_ms.items()})
-        self.sender.send_multipart([it.identity, m.pack(header), m.tensor_frame(tensor)], copy=False)
+        self._sender().send_multipart([it.identity, m.pack(header), m.tensor_frame(tensor)], copy=False)
 
     def publish_error(self, it: Item) -> None:
-        err = it.error or DecodeError("unknown error")
+        err = it.error or MediaError("unknown error", code="internal", status=500)
+        metrics.ERRORS.labels(err.code).inc()
         header = m.ItemResult(it.request_id, it.index, error_code=err.code, error_message=err.message,
                               error_status=err.status)
-        self.sender.send_multipart([it.identity, m.pack(header)])
+        self._sender().send_multipart([it.identity, m.pack(header)])
 
     def stop(self) -> None:
-        self.ready_items.put(None)
+        self.scheduler.close()
+        self.fetch_pool.close()
 
 
-def _one(results: list[torch.Tensor | MediaError]) -> torch.Tensor:
-    if isinstance(results[0], MediaError):
-        raise results[0]
-    return results[0]
-
-
-def _ms_since(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
-
-
-def worker_main(address: str, worker: WorkerConfig, prep: PreprocessConfig, fetch: FetchConfig,
+def worker_main(index: int, address: str, worker: WorkerConfig, prep: PreprocessConfig, fetch: FetchConfig,
                 log_level: str = "info") -> None:
     """Process entry point (spawned by the supervisor)."""
-    from encoder_server.logs import set_process_name, setup_logging
+    import signal
 
+    from encoder_server.logs import die_with_parent, set_process_name, setup_logging
+
+    die_with_parent()
+    set_process_name(f"mmenc-worker-{index}")
     setup_logging(log_level)
-    set_process_name("mmenc-worker-0")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    EncoderWorker(address, worker, prep, fetch).run()
+    w = EncoderWorker(index, address, worker, prep, fetch)
+    signal.signal(signal.SIGTERM, lambda *_: w.stop())
+    try:
+        w.run()
+    finally:
+        w.fetch_pool.close()

@@ -47,9 +47,16 @@ class WorkerClient:
         self.sock.connect(address)
         self.ready: m.WorkerReady | None = None
         self.dead_reason: str | None = None
+        self.num_inflight_items = 0
+        self.last_pong = 0.0
         self._ready_event = asyncio.Event()
         self._pending: dict[str, _Pending] = {}
-        self._receiver = asyncio.get_running_loop().create_task(self._receive())
+        self._receiver: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start reading replies (call from the event loop)."""
+        if self._receiver is None:
+            self._receiver = asyncio.get_running_loop().create_task(self._receive())
 
     async def wait_ready(self, timeout_s: float) -> m.WorkerReady:
         """Ping until the worker answers (it binds after loading its model)."""
@@ -76,12 +83,22 @@ class WorkerClient:
         request_id = uuid.uuid4().hex
         pending = _Pending(len(items))
         self._pending[request_id] = pending
+        self.num_inflight_items += len(items)
         try:
             req = m.EncodeRequest(request_id, tuple(items), pooling)
             await self.sock.send_multipart([m.pack(req), *blobs], copy=False)
             return await asyncio.wait_for(asyncio.shield(pending.done), timeout=timeout_s)
         finally:
+            self.num_inflight_items -= len(items)
             self._pending.pop(request_id, None)
+
+    async def ping(self) -> None:
+        """Ask for a WorkerReady; its arrival refreshes `last_pong`."""
+        await self.sock.send(m.pack(m.Ping()))
+
+    def revive(self) -> None:
+        """The worker is being restarted: forget the death so `wait_ready` can succeed again."""
+        self.dead_reason = None
 
     def mark_dead(self, reason: str) -> None:
         """Fail everything in flight (called when the worker process exits)."""
@@ -101,8 +118,10 @@ class WorkerClient:
                 log.error("malformed reply from worker %s: %s", self.address, e)
                 continue
             if isinstance(msg, m.WorkerReady):
-                self.ready = msg
-                self._ready_event.set()
+                self.last_pong = asyncio.get_running_loop().time()
+                if self.dead_reason is None:
+                    self.ready = msg
+                    self._ready_event.set()
             elif isinstance(msg, m.ItemResult):
                 self._on_result(msg, frames[1:])
 
@@ -116,5 +135,6 @@ class WorkerClient:
             pending.done.set_result(pending.outputs)
 
     async def close(self) -> None:
-        self._receiver.cancel()
+        if self._receiver is not None:
+            self._receiver.cancel()
         self.sock.close(linger=0)

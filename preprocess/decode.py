@@ -289,3 +289,13 @@ def decode_nvjpeg(blobs: list[bytes], device: torch.device, max_source_pixels: i
 def to_device(result: DecodeResult, device: torch.device) -> DecodeResult:
     """Move a decoded image to `device`; a `MediaError` passes through."""
     return result.to(device) if isinstance(result, torch.Tensor) else result
+
+
+def displayed_size(blob: bytes, max_source_pixels: int) -> tuple[int, int]:
+    """(height, width) of the decoded image, EXIF orientation applied, from the header alone.
+
+    Raises the same errors as `open_image`.
+    """
+    img = open_image(blob, max_source_pixels)
+    width, height = img.size
+    return (width, height) if exif_orientation(img) in (5, 6, 7, 8) else (height, width)
