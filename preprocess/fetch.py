@@ -5,6 +5,9 @@ run them in a pool of processes. Every failure is a `MediaError` with a short, h
 
 NOTE: URL hosts are resolved once per hop and every resolved address is checked; the connection then
 goes to the checked address (never re-resolved), so DNS rebinding cannot reach a private address.
+Keep-alive connections are reused per (scheme, host, port, address) within one process, only for an
+address the current hop has just validated, and only after a response that was read to its end from a
+server that did not say `Connection: close`.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import io
 import ipaddress
 import os
 import re
+import select
 import socket
 import ssl
 import stat
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +42,10 @@ _REDIRECTS = (301, 302, 303, 307, 308)
 _READ_SIZE = 1 << 16
 _URL_SAFE = "!#$%&'()*+,/:;=?@[]~"  # reserved characters and '%': quote only non-ASCII and unsafe ones
 _MAX_URL_IN_MESSAGE = 200
+_MAX_IDLE = 32  # kept-alive connections per process, all hosts together; the least recently used go first
+_MAX_IDLE_S = 30.0
+# What a kept-alive connection the server has just closed looks like; a GET is safe to repeat.
+_STALE_ERRORS = (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)  # incl. http.client.RemoteDisconnected
 
 
 @dataclass(frozen=True)
@@ -185,8 +194,12 @@ def resolve_target(url: str, policy: FetchPolicy, resolver: Resolver | None = No
 # ------------------------------------------------------------------------------------------ http(s)
 
 
+def close_idle_connections() -> None:
+    """Close every kept-alive connection this process holds (they are otherwise dropped after 30 s idle)."""
+    _IDLE.clear()
+
+
 def _fetch_http(url: str, policy: FetchPolicy, resolver: Resolver) -> bytes:
-    # TODO(fleet): reuse connections per (scheme, host, port, address) across items of one worker.
     deadline = time.monotonic() + policy.timeout_s
     seen: set[str] = set()
     for _ in range(policy.max_redirects + 1):
@@ -208,12 +221,23 @@ def _fetch_http(url: str, policy: FetchPolicy, resolver: Resolver) -> bytes:
 
 def _request(target: Target, url: str, deadline: float, policy: FetchPolicy) -> bytes | str:
     """One GET on a validated target: the body, or the `Location` of a redirect."""
-    raw = _connect(target, deadline)
+    idle = _IDLE.take(target)
+    if idle is not None:
+        try:
+            return _exchange(*idle, target, url, deadline, policy)
+        except _STALE_ERRORS:  # closed by the server while idle: once more on a fresh connection
+            pass
+    return _exchange(*_connect(target, deadline), target, url, deadline, policy)
+
+
+def _exchange(raw: socket.socket, address: str, target: Target, url: str, deadline: float,
+              policy: FetchPolicy) -> bytes | str:
+    """One GET on the connected `raw`; keeps `raw` for reuse when the whole response was read."""
     conn = http.client.HTTPConnection(target.host, target.port)
     conn.sock = _DeadlineSocket(raw, deadline)
+    can_reuse = False
     try:
-        conn.request("GET", target.path, headers={
-            "User-Agent": "mmenc-fetch", "Accept-Encoding": "identity", "Connection": "close"})
+        conn.request("GET", target.path, headers={"User-Agent": "mmenc-fetch", "Accept-Encoding": "identity"})
         resp = conn.getresponse()
         if resp.status in _REDIRECTS:
             location = resp.getheader("Location")
@@ -232,14 +256,21 @@ def _request(target: Target, url: str, deadline: float, policy: FetchPolicy) -> 
                 raise _too_large(policy.max_bytes)
         if declared is not None and len(body) < declared:
             raise FetchError(f"truncated body: {len(body)} of {declared} bytes from {_short(url)}")
+        can_reuse = resp.isclosed() and not resp.will_close  # read to its end; no `Connection: close`
         return bytes(body)
     finally:
         conn.close()
-        raw.close()
+        if can_reuse:
+            _IDLE.put(target, address, raw)
+        else:
+            raw.close()
 
 
-def _connect(target: Target, deadline: float) -> socket.socket:
-    """Connect to the first reachable validated address (TLS with SNI + cert check for https)."""
+def _connect(target: Target, deadline: float) -> tuple[socket.socket, str]:
+    """Connect to the first reachable validated address (TLS with SNI + cert check for https).
+
+    Returns the socket and the address it is connected to.
+    """
     error: OSError = OSError("no address")
     for address in target.addresses:
         try:
@@ -248,10 +279,10 @@ def _connect(target: Target, deadline: float) -> socket.socket:
             error = exc
             continue
         if target.scheme == "http":
-            return sock
+            return sock, address
         try:  # NOTE: the handshake's recvs each get the time left, so a trickling handshake can overrun
             sock.settimeout(_remaining(deadline))
-            return _tls_context().wrap_socket(sock, server_hostname=target.host)
+            return _tls_context().wrap_socket(sock, server_hostname=target.host), address
         except BaseException:
             sock.close()
             raise
@@ -281,7 +312,55 @@ class _DeadlineSocket(io.RawIOBase):
         return self._arm().recv_into(buffer)
 
     def close(self) -> None:
-        pass  # http.client "closes" when it hands the stream to the response; `_request` closes
+        pass  # http.client "closes" when it hands the stream to the response; `_exchange` closes
+
+
+class _IdleConnections:
+    """Kept-alive sockets as (key, socket, idle since), oldest first; key = (scheme, host, port, address)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # NOTE: a socket is used by one thread at a time: it leaves the list
+        self._idle: list[tuple[tuple[str, str, int, str], socket.socket, float]] = []
+
+    def take(self, target: Target) -> tuple[socket.socket, str] | None:
+        """An open connection to one of `target.addresses` (validated for this hop), and its address."""
+        keys = {(target.scheme, target.host, target.port, address) for address in target.addresses}
+        while True:
+            with self._lock:
+                i = next((i for i in reversed(range(len(self._idle))) if self._idle[i][0] in keys), None)
+                if i is None:
+                    return None
+                key, sock, since = self._idle.pop(i)
+            if time.monotonic() - since < _MAX_IDLE_S and _is_quiet(sock):
+                return sock, key[3]
+            sock.close()
+
+    def put(self, target: Target, address: str, sock: socket.socket) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._idle.append(((target.scheme, target.host, target.port, address), sock, now))
+            num_old = max(len(self._idle) - _MAX_IDLE, sum(now - since >= _MAX_IDLE_S for *_, since in self._idle))
+            dropped, self._idle = self._idle[:num_old], self._idle[num_old:]
+        for _, old, _ in dropped:
+            old.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            dropped, self._idle = self._idle, []
+        for _, sock, _ in dropped:
+            sock.close()
+
+
+def _is_quiet(sock: socket.socket) -> bool:
+    """Nothing to read, not even EOF: the server has neither closed the connection nor said anything."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return False
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
+
+
+_IDLE = _IdleConnections()
 
 
 @functools.lru_cache(maxsize=1)

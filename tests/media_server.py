@@ -20,12 +20,15 @@ Special paths (query parameters are optional):
                                 Content-Length, or the declared (possibly wrong) M, or chunked encoding
 
 Pass `tls=ssl_context` (server side, with a cert loaded) to serve https; `url()` then says https.
-`stop()` (or leaving the `with`) returns in well under a second, even with stalled clients.
+Pass `keep_alive=True` to keep connections open after file and /status answers (HTTP/1.1 keep-alive);
+`num_connections` counts accepted connections, `drop_connections()` closes the open ones as an idle
+timeout would. `stop()` (or leaving the `with`) returns in well under a second, even with stalled clients.
 """
 
 from __future__ import annotations
 
 import http.server
+import socket
 import ssl
 import sys
 import threading
@@ -50,14 +53,16 @@ class MediaServer:
     """Serve `files` (path -> bytes) and the special paths on 127.0.0.1 at an ephemeral port."""
 
     def __init__(self, files: Mapping[str, bytes] | None = None, *, host: str = "127.0.0.1",
-                 tls: ssl.SSLContext | None = None) -> None:
-        self._host, self._tls = host, tls
+                 tls: ssl.SSLContext | None = None, keep_alive: bool = False) -> None:
+        self._host, self._tls, self.keep_alive = host, tls, keep_alive
         self._files: dict[str, tuple[bytes, str]] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.requests: list[RecordedRequest] = []
+        self.num_connections = 0  # accepted so far
+        self._open: set[socket.socket] = set()
         for path, body in (files or {}).items():
             self.add(path, body)
 
@@ -88,11 +93,22 @@ class MediaServer:
         if self._httpd is None:
             return
         self._stopping.set()
+        self.drop_connections()
         self._httpd.shutdown()
         self._httpd.server_close()
         assert self._thread is not None
         self._thread.join(timeout=2)
         self._httpd = None
+
+    def drop_connections(self) -> None:
+        """Shut down every open client connection (as a server closing idle keep-alive connections)."""
+        with self._lock:
+            connections = list(self._open)
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def __enter__(self) -> MediaServer:
         return self.start()
@@ -139,9 +155,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     timeout = 30
 
     def setup(self) -> None:
+        with self.server.media._lock:
+            self.server.media.num_connections += 1
         super().setup()
         if isinstance(self.connection, ssl.SSLSocket):
             self.connection.do_handshake()
+        with self.server.media._lock:
+            self.server.media._open.add(self.connection)
+
+    def finish(self) -> None:
+        with self.server.media._lock:
+            self.server.media._open.discard(self.connection)
+        super().finish()
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002
         pass
@@ -149,7 +174,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         media = self.server.media
         media.requests.append(RecordedRequest(self.command, self.path, dict(self.headers.items())))
-        self.close_connection = True
+        if not media.keep_alive:
+            self.close_connection = True
         parts = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         route = parts.path
@@ -183,7 +209,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")
+        if not self.server.media.keep_alive:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(body)
 

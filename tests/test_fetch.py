@@ -286,6 +286,61 @@ def test_concurrent_fetches(srv: MediaServer) -> None:
     assert bodies == [bytes([i]) * (1000 + i) for i in range(16)]
 
 
+# ------------------------------------------------------------------------------------- keep-alive
+
+
+@pytest.fixture
+def keep_alive_srv() -> Iterator[MediaServer]:
+    with MediaServer({"/a.jpg": JPEG}, keep_alive=True) as server:
+        yield server
+    fetch.close_idle_connections()
+
+
+def test_keep_alive_connection_reused(keep_alive_srv: MediaServer, loopback_only: list[str]) -> None:
+    for _ in range(3):
+        assert fetch_media(keep_alive_srv.url("/a.jpg"), LOOPBACK) == JPEG
+    assert keep_alive_srv.num_connections == 1 and loopback_only == ["127.0.0.1"]
+    assert keep_alive_srv.requests[-1].headers.get("Connection", "keep-alive") == "keep-alive"
+
+
+def test_no_reuse_when_server_says_close(srv: MediaServer) -> None:
+    num_connections = srv.num_connections
+    for _ in range(3):
+        assert fetch_media(srv.url("/a.jpg"), LOOPBACK) == JPEG
+    assert srv.num_connections == num_connections + 3
+
+
+def test_reuse_is_per_host_name_and_never_across_a_redirect(keep_alive_srv: MediaServer) -> None:
+    other = f"http://media.test:{keep_alive_srv.port}/a.jpg"  # same address and port, another host name
+    resolver = fake_resolver({"media.test": ["127.0.0.1"]})
+    assert fetch_media(keep_alive_srv.url("/a.jpg"), LOOPBACK) == JPEG
+    # hop 1 reuses that connection (same host); its redirect answer closes it; hop 2 needs its own
+    assert fetch_media(keep_alive_srv.redirect_url(other), LOOPBACK, resolver=resolver) == JPEG
+    assert keep_alive_srv.num_connections == 2
+    assert fetch_media(other, LOOPBACK, resolver=resolver) == JPEG
+    assert fetch_media(keep_alive_srv.url("/a.jpg"), LOOPBACK) == JPEG  # a new one: the first was closed
+    assert keep_alive_srv.num_connections == 3
+
+
+def test_no_reuse_after_an_unread_answer(keep_alive_srv: MediaServer) -> None:
+    with pytest.raises(FetchError, match="HTTP 404"):
+        fetch_media(keep_alive_srv.url("/missing"), LOOPBACK)
+    assert fetch_media(keep_alive_srv.url("/a.jpg"), LOOPBACK) == JPEG
+    assert keep_alive_srv.num_connections == 2
+
+
+@pytest.mark.parametrize("is_checked", [True, False])
+def test_connection_closed_by_server_while_idle(keep_alive_srv: MediaServer, monkeypatch: pytest.MonkeyPatch,
+                                                is_checked: bool) -> None:
+    """The idle check drops it; when the close slips past the check, the GET is repeated once, fresh."""
+    assert fetch_media(keep_alive_srv.url("/a.jpg"), LOOPBACK) == JPEG
+    keep_alive_srv.drop_connections()
+    if not is_checked:
+        monkeypatch.setattr(fetch, "_is_quiet", lambda sock: True)
+    assert fetch_media(keep_alive_srv.url("/a.jpg"), LOOPBACK) == JPEG
+    assert keep_alive_srv.num_connections == 2
+
+
 @pytest.mark.parametrize("url", [
     "http://user:pw@example.com/a.jpg", "http://exa mple.com/a.jpg", "http://example.com:99999/",
     "http:///a.jpg", "http://example.com/\r\nX-Injected: 1",

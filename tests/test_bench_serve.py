@@ -1,0 +1,131 @@
+"""`mmenc bench serve` end to end on the CPU (tiny model, small images), plus its parsing helpers."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import time
+
+import pytest
+from PIL import Image
+
+from bench.media import ImageMix, RequestFactory, with_nonce
+from bench.serve import main
+from bench.serve_report import parse_metrics, server_stats, summarize
+from tests.server_process import ServerProcess, free_port
+
+FAST = ["--mix", "224", "--distinct", "4", "--warmup-requests", "4", "--no-progress"]
+
+
+def _run(tmp_path, *flags: str) -> dict:
+    assert main([*FAST, *flags, "--out-dir", str(tmp_path), "--name", "run"]) == 0
+    return json.loads((tmp_path / "run.json").read_text())
+
+
+def _check_row(row: dict) -> None:
+    assert row["ok"] > 0 and row["errors"] == 0 and row["error_classes"] == {}
+    assert row["rps"] > 0 and row["img_s"] > 0 and row["tokens_s"] > 0
+    assert 0 < row["p50_ms"] <= row["p90_ms"] <= row["p99_ms"] <= row["max_ms"]
+    assert row["encode_ms"] > 0 and row["total_ms"] > 0
+
+
+def test_closed_loop_with_naive_baseline(tmp_path):
+    server_args = "--vision-model tiny --device cpu"
+    result = _run(tmp_path, "--start", "--server-args", server_args, "--concurrency", "4", "--duration", "3",
+                  "--baseline", "naive", "--naive-device", "cpu")
+    ours, naive = ([r for r in result["rows"] if r["server"] == name] for name in ("mmenc", "naive"))
+    assert len(ours) == 1 and len(naive) == 1
+    for row in ours + naive:
+        _check_row(row)
+        assert row["mode"] == "closed" and row["concurrency"] == 4
+        assert row["tokens_per_img"] == 64  # 224x224 -> 16x16 patches -> 64 merged tokens
+    assert result["ratio"]["peak_img_s"] > 0 and result["ratio"]["per_step"][0]["step"] == 4
+    assert result["baseline"]["preset"] == "tiny" and result["startup_s"]["naive"] > 0
+    agreement = result["baseline"]["agreement"]  # same weights, same image: the same function
+    assert agreement["num_tokens"] == agreement["naive_num_tokens"] and agreement["cosine"] > 0.99
+    assert (tmp_path / "run.mmenc.log").exists() and (tmp_path / "run.naive.log").exists()
+
+
+def test_open_loop_against_running_server(tmp_path):
+    with ServerProcess("--allow-private-urls", "--device", "cpu") as server:
+        result = _run(tmp_path, "--url", server.url, "--rate", "8", "--duration", "2", "--items-per-request", "2",
+                      "--as-data-uri")
+    (row,) = result["rows"]
+    _check_row(row)
+    assert row["mode"] == "open" and row["rate"] == 8
+    assert row["img_s"] == pytest.approx(2 * row["rps"])
+    assert result["baseline"] is None and result["ratio"] is None
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
+    start = time.monotonic()
+    assert main(["--url", f"http://127.0.0.1:{free_port()}", "--out-dir", str(tmp_path)]) == 2
+    assert time.monotonic() - start < 15
+    assert "cannot reach" in capsys.readouterr().err
+
+
+def test_mix_parsing():
+    mixed = ImageMix.parse("mixed")
+    assert mixed.sizes == ((448, 448), (1920, 1080), (3840, 2160))
+    assert mixed.weights == pytest.approx((0.5, 0.4, 0.1))
+    assert ImageMix.parse("640x480=3,224").weights == pytest.approx((0.75, 0.25))
+    for bad in ("100", "224=0", "huge"):
+        with pytest.raises(ValueError):
+            ImageMix.parse(bad)
+
+
+def test_unique_bytes_decode_to_the_same_pixels():
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (10, 200, 30)).save(buf, "JPEG")
+    blob = buf.getvalue()
+    a, b = with_nonce(blob, 1), with_nonce(blob, 2)
+    assert len({blob, a, b}) == 3
+    assert Image.open(io.BytesIO(a)).tobytes() == Image.open(io.BytesIO(blob)).tobytes()
+
+
+def test_request_factory_is_seeded():
+    mix = ImageMix.parse("224=0.5,448=0.5")
+    images = {"224": [b"\xff\xd8a", b"\xff\xd8b"], "448": [b"\xff\xd8c"]}
+
+    def bodies() -> list[bytes]:
+        make = RequestFactory(mix, images, None, 3, is_data_uri=True, is_unique=False, encoding_format="base64",
+                              nonces=itertools.count(), seed=7)
+        return [make()[0] for _ in range(5)]
+
+    assert bodies() == bodies()
+    assert len(json.loads(bodies()[0])["input"]) == 3
+
+
+METRICS_BEFORE = """\
+# TYPE mmenc_forwards_total counter
+mmenc_forwards_total{worker="0",modality="image"} 10
+mmenc_forwards_total{worker="1",modality="image"} 10
+# TYPE mmenc_forward_items histogram
+mmenc_forward_items_bucket{le="+Inf"} 20
+mmenc_forward_items_count 20
+mmenc_forward_items_sum 40
+# TYPE mmenc_encode_busy_seconds_total counter
+mmenc_encode_busy_seconds_total{worker="0"} 1
+mmenc_encode_busy_seconds_total{worker="1"} 1
+"""
+METRICS_AFTER = METRICS_BEFORE.replace(" 10\n", " 20\n").replace("count 20", "count 40").replace(
+    "sum 40", "sum 200").replace("} 1\n", "} 3\n")
+
+
+def test_server_stats_from_metric_deltas():
+    stats = server_stats(parse_metrics(METRICS_BEFORE), parse_metrics(METRICS_AFTER), wall_s=4.0, num_workers=2,
+                         queue_depths=[1.0, 3.0])
+    assert stats["forwards"] == 20 and stats["items_per_forward"] == 8.0
+    assert stats["busy_fraction"] == pytest.approx(0.5)  # 4 busy seconds / (4 s x 2 workers)
+    assert stats["tokens_per_forward"] is None  # not exported: null, not an error
+    assert stats["queue_depth_mean"] == 2.0 and stats["queue_depth_max"] == 3.0
+    none = server_stats(None, None, 1.0, 1, [])
+    assert set(none.values()) == {None}
+
+
+def test_summary_of_no_successes_has_null_latencies():
+    from bench.loadgen import RequestRecord
+
+    row = summarize([RequestRecord(0.0, 0.1, 503, "unavailable", 1)], wall_s=1.0)
+    assert row["ok"] == 0 and row["p50_ms"] is None and row["error_classes"] == {"503 unavailable": 1}
