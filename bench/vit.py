@@ -29,6 +29,44 @@ def _reference(cfg: VisionConfig, ours: VisionTransformer, attn: str) -> torch.n
     return ref.to(ours.merger.ln_q.weight.device, ours.merger.ln_q.weight.dtype).eval()
 
 
+def _mix_ceiling(model: VisionTransformer, a: argparse.Namespace, device: torch.device, dtype: torch.dtype,
+                 num_params: int) -> dict[str, Any]:
+    """Forwards packed as the server packs them, from images drawn from `a.mix`: images/s at 100% busy."""
+    import random
+
+    from bench.media import ImageMix
+    from encoder_server.config import PreprocessConfig
+    from preprocess.image import target_size
+
+    mix, prep = ImageMix.parse(a.mix), PreprocessConfig()
+    rng = random.Random(0)
+    grids = []
+    for _ in range(512):
+        width, height = rng.choices(mix.sizes, weights=mix.weights)[0]
+        h, w = target_size(height, width, prep)
+        grids.append((1, h // prep.patch_size, w // prep.patch_size))
+    forwards: list[list[tuple[int, int, int]]] = [[]]
+    for grid in grids:  # as BatchScheduler packs an arrival sequence
+        if forwards[-1] and sum(t * h * w for t, h, w in forwards[-1]) + grid[1] * grid[2] > a.batch_tokens:
+            forwards.append([])
+        forwards[-1].append(grid)
+    forwards = forwards[:-1][:16] or forwards  # full forwards only
+    inputs = [torch.randn(sum(t * h * w for t, h, w in f), model.cfg.patch_dim, device=device, dtype=dtype)
+              for f in forwards]
+
+    def run_all() -> None:
+        for x, f in zip(inputs, forwards, strict=True):
+            model(x, f)
+
+    with torch.inference_mode():
+        seconds = time_median(run_all, device, 1, 3)
+    num_images = sum(len(f) for f in forwards)
+    num_patches = sum(x.shape[0] for x in inputs)
+    return {"mix": a.mix, "batch_tokens": a.batch_tokens, "forwards": len(forwards), "images": num_images,
+            "patches_per_img": num_patches / num_images, "img_s": num_images / seconds,
+            "tflops": 2 * num_params * num_patches / seconds / 1e12}
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -45,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile our blocks")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--mix", default=None,
+                   help="also time forwards packed from this image mix (as `mmenc bench serve --mix`): the "
+                        "bare-forward ceiling for that mix")
+    p.add_argument("--batch-tokens", type=int, default=32768, help="patches per forward in --mix mode "
+                   "(the server's --max-batch-tokens)")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--name", default="vit")
     a = p.parse_args(argv)
@@ -82,13 +125,18 @@ def main(argv: list[str] | None = None) -> int:
                                ref_max_abs=expected.abs().max().item())
             rows.append(row)
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-    payload = {"bench": "vit", "preset": a.preset, "dtype": a.dtype, "params": num_params, "compile": a.compile,
-               "env": environment(device), "argv": argv if argv is not None else sys.argv[1:], "rows": rows}
+    mix_row = _mix_ceiling(ours, a, device, dtype, num_params) if a.mix else None
+    payload = {"bench": "vit", "mix": mix_row, "preset": a.preset, "dtype": a.dtype, "params": num_params,
+               "compile": a.compile, "env": environment(device), "argv": argv if argv is not None else sys.argv[1:], "rows": rows}
     path = write_results(a.name, a.out_dir, payload)
     cols = ["size", "batch", "patches", "ours_img_s", "ours_tflops", "ref_img_s", "ref_tflops", "speedup",
             "max_abs_diff"]
     print(markdown_table(rows, cols))
     best = max(rows, key=lambda r: r["ours_tflops"])
+    if mix_row:
+        print(f"mix {a.mix}: {mix_row['img_s']:.1f} img/s bare-forward ceiling "
+              f"({mix_row['tflops']:.0f} TFLOP/s, {mix_row['patches_per_img']:.0f} patches/img, "
+              f"{mix_row['batch_tokens']} patches/forward)")
     print(f"SUMMARY vit {a.preset} {a.dtype}: best {best['ours_tflops']:.0f} TFLOP/s ({best['ours_img_s']:.1f} img/s "
           f"at {best['size']}px x{best['batch']}); results in {path}")
     return 0

@@ -94,7 +94,7 @@ async def embeddings(request: web.Request) -> web.Response:
     total_ms = (time.perf_counter() - start) * 1e3
     response = build_embeddings_response(req, outputs, args.model_name,
                                          {"parse": round(parse_ms, 3), "total": round(total_ms, 3)})
-    log.info("embeddings: %d items, %d tokens, %.1f ms", len(req.items), response["usage"]["total_tokens"],
+    log.debug("embeddings: %d items, %d tokens, %.1f ms", len(req.items), response["usage"]["total_tokens"],
              total_ms)
     return web.json_response(response)
 
