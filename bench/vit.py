@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     mix_row = _mix_ceiling(ours, a, device, dtype, num_params) if a.mix else None
     payload = {"bench": "vit", "mix": mix_row, "preset": a.preset, "dtype": a.dtype, "params": num_params,
-               "compile": a.compile, "env": environment(device), "argv": argv if argv is not None else sys.argv[1:], "rows": rows}
+               "compile": a.compile, "env": environment(device),
+               "argv": argv if argv is not None else sys.argv[1:], "rows": rows}
     path = write_results(a.name, a.out_dir, payload)
     cols = ["size", "batch", "patches", "ours_img_s", "ours_tflops", "ref_img_s", "ref_tflops", "speedup",
             "max_abs_diff"]
