@@ -71,18 +71,26 @@ class Prepared:
 
 @dataclass
 class InFlight:
-    """A launched forward: device outputs not yet copied back."""
+    """A launched forward whose results are being copied to (pinned) host memory."""
 
     items: list[Item]
-    pooled: torch.Tensor  # [N, D] on the device
-    full: list[torch.Tensor]  # per item [tokens, D], only for pooling "none"
+    pooled: torch.Tensor  # [N, D] host; valid once `done` has passed
+    full: list[torch.Tensor]  # per item [tokens, D] host, only for pooling "none"
     started: float
-    events: tuple[torch.cuda.Event, torch.cuda.Event] | None
+    events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None  # start, end, copies done
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device without making the host wait for work already queued on the device."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Device -> pinned host copy that does not block; valid after an event recorded later has passed."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def fetch_policy(cfg: FetchConfig) -> FetchPolicy:
@@ -176,12 +184,13 @@ class EncoderWorker:
             batch = self.scheduler.next_batch(block=in_flight is None)
             if batch is None:
                 break
-            prepared = self.prepare(batch) if batch else None  # overlaps the forward in flight
+            # NOTE: forward k+1 is prepared and queued on the device before forward k is collected, so
+            # the device never waits for the host between forwards.
+            prepared = self.prepare(batch) if batch else None
+            launched = self.guarded(prepared.items, lambda p=prepared: self.launch(p)) if prepared else None
             if in_flight is not None:
                 self.guarded(in_flight.items, lambda f=in_flight: self.finish(f))
-                in_flight = None
-            if prepared is not None:
-                in_flight = self.guarded(prepared.items, lambda p=prepared: self.launch(p))
+            in_flight = launched
         if in_flight is not None:
             self.finish(in_flight)
 
@@ -248,7 +257,8 @@ class EncoderWorker:
         counts = _to_device(torch.tensor(lengths), self.device)  # [N]
         item_ids = _to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
                               self.device)  # [T]
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.is_cuda else None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+                  torch.cuda.Event()) if self.is_cuda else None
         started = time.perf_counter()
         if events:
             events[0].record()
@@ -259,12 +269,16 @@ class EncoderWorker:
         full = list(out32.split(lengths)) if any(it.pooling == "none" for it in prep.items) else []
         if events:
             events[1].record()
+        pooled, full = _to_host(pooled), [_to_host(t) for t in full]
+        if events:
+            events[2].record()
         return InFlight(prep.items, pooled, full, started, events)
 
     def finish(self, flight: InFlight) -> None:
-        """Wait for the forward, copy results to the host (one copy per kind), publish each item."""
-        pooled = flight.pooled.cpu()  # [N, D]
-        full = [t.cpu() for t in flight.full]
+        """Wait for the forward's results on the host, then publish each item."""
+        if flight.events:
+            flight.events[2].synchronize()  # this forward's copies only, not the forward queued after it
+        pooled, full = flight.pooled, flight.full  # [N, D], per item [tokens, D]
         encode_s = (flight.events[0].elapsed_time(flight.events[1]) / 1e3 if flight.events
                     else time.perf_counter() - flight.started)
         metrics.FORWARDS.labels(self.name, flight.items[0].modality).inc()
