@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from cache.keys import route_key
 from encoder_server import messages as m
 from encoder_server.worker_client import ItemOutput
 from preprocess.errors import MediaError
@@ -28,30 +29,42 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
+MAX_UUID_CHARS = 256
+
+
 @dataclass(frozen=True)
 class EmbeddingsRequest:
     items: list[m.EncodeItem]
-    blobs: list[bytes]  # inline bytes of the items with `inline=True`, in item order
+    inline: dict[int, bytes]  # item index -> bytes of the items with `inline=True`
     encoding_format: str
     pooling: str
     model: str | None
 
 
-def _item_source(part: Any, param: str) -> tuple[str, str]:
-    """(modality, source) of one input entry: a string, or an `image_url` content part."""
+def _item_source(part: Any, param: str) -> tuple[str, str, str | None]:
+    """(modality, source, uuid) of one input entry: a string, or an `image_url` content part.
+
+    A part may carry a client `uuid` naming its media; with a uuid the url may be omitted (source "")
+    when the client expects the embedding to be cached.
+    """
     if isinstance(part, str):
-        return "image", part
+        return "image", part, None
     if isinstance(part, dict):
         kind = part.get("type", "image_url")
         if kind != "image_url":
             raise ApiError(400, f"{param}: content part type {kind!r} is not supported (use 'image_url')",
                            param=param, code="unsupported_content")
+        uuid = part.get("uuid")
+        if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
+            raise ApiError(400, f"{param}: uuid must be a string of 1..{MAX_UUID_CHARS} characters", param=param)
         url = part.get("image_url")
         if isinstance(url, dict):
             url = url.get("url")
         if isinstance(url, str):
-            return "image", url
-        raise ApiError(400, f"{param}: image_url needs a 'url' string", param=param)
+            return "image", url, uuid
+        if url is None and uuid is not None:
+            return "image", "", uuid
+        raise ApiError(400, f"{param}: image_url needs a 'url' string (or a uuid of cached media)", param=param)
     if isinstance(part, int | list):
         raise ApiError(400, f"{param}: token-id input is not supported; this model embeds images",
                        param=param, code="unsupported_content")
@@ -87,20 +100,23 @@ def parse_embeddings_request(body: Any, policy: FetchPolicy, max_items: int) -> 
         raise ApiError(400, "'model' must be a string", param="model")
 
     items: list[m.EncodeItem] = []
-    blobs: list[bytes] = []
+    inline: dict[int, bytes] = {}
     for i, entry in enumerate(entries):
         param = f"input[{i}]"
-        modality, source = _item_source(entry, param)
+        modality, source, uuid = _item_source(entry, param)
         try:
-            check_source(source, policy)
+            if source:
+                check_source(source, policy)
             if source.startswith("data:"):
-                blobs.append(decode_data_uri(source, policy.max_bytes))
-                items.append(m.EncodeItem(i, modality, "data:", inline=True))
+                inline[i] = decode_data_uri(source, policy.max_bytes)
+                route = route_key(uuid=uuid, inline=inline[i])
+                items.append(m.EncodeItem(i, modality, "data:", inline=True, route_key=route, uuid=uuid))
             else:
-                items.append(m.EncodeItem(i, modality, source))
+                route = route_key(uuid=uuid, url=source or None)
+                items.append(m.EncodeItem(i, modality, source, route_key=route, uuid=uuid))
         except MediaError as e:
             raise ApiError(e.status, f"{param}: {e.message}", param=param, code=e.code) from None
-    return EmbeddingsRequest(items, blobs, encoding_format, pooling, model)
+    return EmbeddingsRequest(items, inline, encoding_format, pooling, model)
 
 
 def _encode(array: np.ndarray, fmt: str) -> Any:

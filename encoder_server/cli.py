@@ -61,11 +61,41 @@ def _embed(ns: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _cache(ns: argparse.Namespace) -> int:
+    """Inspect or drop the machine-wide embedding caches (one arena per model, /dev/shm/mmenc-cache-*)."""
+    import json
+
+    from cache.shm import ShmEmbeddingCache
+
+    names = [ns.name] if ns.name else sorted({p.name for p in Path("/dev/shm").glob("mmenc-cache-*")
+                                              if ShmEmbeddingCache.exists(p.name)})
+    if not names:
+        print("no mmenc cache arena on this machine")
+        return 0
+    for name in names:
+        try:
+            arena = ShmEmbeddingCache(name, 0, create=False)
+        except FileNotFoundError:
+            print(f"mmenc: error: no cache arena named {name!r}", file=sys.stderr)
+            return 1
+        if ns.action == "clear":
+            arena.clear()
+            if ns.unlink:
+                arena.unlink()
+            print(f"{name}: {'removed' if ns.unlink else 'cleared'}")
+        else:
+            print(json.dumps({"name": name, **arena.stats()}))
+        arena.close()
+    return 0
+
+
 def _bench(ns: argparse.Namespace, rest: list[str]) -> int:
     if ns.what == "vit":
         from bench.vit import main as bench_main
     elif ns.what == "serve":
         from bench.serve import main as bench_main
+    elif ns.what == "cache":
+        from bench.cache import main as bench_main
     else:
         from bench.preprocess import main as bench_main
     return bench_main(rest)
@@ -80,8 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     embed.add_argument("files", nargs="+")
     add_config_args(embed, WorkerConfig)
     add_config_args(embed, PreprocessConfig)
+    cache = sub.add_parser("cache", help="inspect (stats) or drop (clear) the machine-wide embedding cache")
+    cache.add_argument("action", choices=["stats", "clear"])
+    cache.add_argument("--name", default=None, help="arena name (default: every mmenc cache on this machine)")
+    cache.add_argument("--unlink", action="store_true", help="with clear: also remove the arena itself")
     bench = sub.add_parser("bench", help="benchmarks (run on a GPU machine); `mmenc bench vit --help`")
-    bench.add_argument("what", choices=["vit", "preprocess", "serve"])
+    bench.add_argument("what", choices=["vit", "preprocess", "serve", "cache"])
     return parser
 
 
@@ -96,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             return _serve(ns)
+        if ns.command == "cache":
+            return _cache(ns)
         return _embed(ns)
     except ValueError as e:  # configuration errors: one clear line, no traceback
         print(f"mmenc: error: {e}", file=sys.stderr)

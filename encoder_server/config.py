@@ -173,6 +173,9 @@ class WorkerConfig:
     max_batch_tokens: int = 32768
     max_batch_items: int = 64
     max_wait_ms: float = 2.0
+    cache_bytes: int = 1 << 30  # machine-wide shared-memory embedding cache; 0 turns it off
+    cache_by_url: bool = True  # also key the cache by URL (assumes a URL's content does not change)
+    cache_name: str = ""  # arena name; default mmenc-cache-<model fingerprint>, shared by same-model fleets
     compile: bool = True  # torch.compile the ViT blocks; CUDA only (1.6x there), ignored on CPU
 
     def __post_init__(self) -> None:
@@ -180,6 +183,7 @@ class WorkerConfig:
                  f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         _require(self.max_batch_tokens > 0 and self.max_batch_items > 0, "batch limits must be > 0")
         _require(self.max_wait_ms >= 0, "max_wait_ms must be >= 0")
+        _require(self.cache_bytes >= 0, "cache_bytes must be >= 0")
         is_preset = self.vision_model in VISION_PRESETS
         _require(is_preset or Path(self.vision_model).is_dir(),
                  f"vision_model {self.vision_model!r} is neither a preset {sorted(VISION_PRESETS)} "

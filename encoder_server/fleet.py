@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from cache.ring import Ring
+from encoder_server import messages as m
 from encoder_server import metrics
 from encoder_server.config import ServerArgs
 from encoder_server.worker import worker_main
@@ -62,6 +64,8 @@ class Fleet:
         self.args = args
         self.slots = [WorkerSlot(i, f"ipc://{run_dir}/worker-{i}", worker_device(args, i),
                                  WorkerClient(f"ipc://{run_dir}/worker-{i}")) for i in range(num_workers(args))]
+        self.ring = Ring()  # addresses of the ready workers
+        self._by_address = {s.address: s.client for s in self.slots}
         self._ctx = mp.get_context("spawn")
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -80,6 +84,8 @@ class Fleet:
         except WorkerUnavailable:
             await self.stop()
             raise
+        for slot in self.slots:
+            self.ring.add(slot.address)
         self._background(self._health_loop())
 
     def pick(self, exclude: WorkerClient | None = None) -> WorkerClient:
@@ -88,6 +94,18 @@ class Fleet:
         if not ready:
             raise WorkerUnavailable("no encoder worker is ready")
         return min(ready, key=lambda c: c.num_inflight_items)
+
+    def route(self, items: list[m.EncodeItem]) -> dict[WorkerClient, list[m.EncodeItem]]:
+        """Split items by the ready worker that owns each one's route key on the ring (same media, same
+        worker, so its cache hits); least-loaded for items without a key."""
+        groups: dict[WorkerClient, list[m.EncodeItem]] = {}
+        for item in items:
+            try:
+                client = self._by_address[self.ring.node_for(item.route_key)] if item.route_key else self.pick()
+            except LookupError:
+                raise WorkerUnavailable("no encoder worker is ready") from None
+            groups.setdefault(client, []).append(item)
+        return groups
 
     def _spawn(self, slot: WorkerSlot) -> None:
         worker_cfg = dataclasses.replace(self.args.worker, device=slot.device)
@@ -106,6 +124,7 @@ class Fleet:
         proc.join(1)
         metrics.mark_process_dead(proc.pid or 0)
         reason = f"mmenc-worker-{slot.index} exited with code {proc.exitcode}"
+        self.ring.remove(slot.address)
         slot.client.mark_dead(reason)
         if self._stopping:
             return
@@ -123,6 +142,7 @@ class Fleet:
         self._spawn(slot)
         try:
             await slot.client.wait_ready(START_TIMEOUT_S)
+            self.ring.add(slot.address)
             slot.backoff_s = 0.5
             log.info("mmenc-worker-%d is back (restart %d)", slot.index, slot.restarts)
         except WorkerUnavailable as e:

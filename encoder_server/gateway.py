@@ -5,6 +5,7 @@ Every error leaves as OpenAI-shaped JSON with a 4xx/5xx status; no stack trace e
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -12,11 +13,12 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from encoder_server import messages as m
 from encoder_server import metrics
 from encoder_server.api import ApiError, build_embeddings_response, parse_embeddings_request
 from encoder_server.config import ServerArgs
 from encoder_server.worker import fetch_policy
-from encoder_server.worker_client import WorkerClient, WorkerUnavailable
+from encoder_server.worker_client import ItemOutput, WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,8 @@ class WorkerPicker(Protocol):
     clients: list[WorkerClient]
 
     def pick(self, exclude: WorkerClient | None = None) -> WorkerClient: ...
+
+    def route(self, items: list[m.EncodeItem]) -> dict[WorkerClient, list[m.EncodeItem]]: ...
 
 
 FLEET = web.AppKey("fleet", WorkerPicker)
@@ -72,6 +76,16 @@ async def _json_body(request: web.Request) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
 
+async def _encode_group(fleet: WorkerPicker, client: WorkerClient, items: list[m.EncodeItem], inline: dict[int, bytes],
+                        pooling: str, timeout_s: float) -> dict[int, ItemOutput]:
+    blobs = [inline[it.index] for it in items if it.inline]
+    try:
+        return await client.encode(items, blobs, pooling, timeout_s)
+    except WorkerUnavailable as first:  # the worker died with these items in flight: once more elsewhere
+        log.warning("retrying %d item(s) after: %s", len(items), first)
+        return await fleet.pick(exclude=client).encode(items, blobs, pooling, timeout_s)
+
+
 async def embeddings(request: web.Request) -> web.Response:
     args = request.app[ARGS]
     start = time.perf_counter()
@@ -80,13 +94,10 @@ async def embeddings(request: web.Request) -> web.Response:
     parse_ms = (time.perf_counter() - start) * 1e3
     fleet = request.app[FLEET]
     try:
-        client = fleet.pick()
-        try:
-            outputs = await client.encode(req.items, req.blobs, req.pooling, args.request_timeout_s)
-        except WorkerUnavailable as first:  # the worker died with the request in flight: once more elsewhere
-            log.warning("retrying a request after: %s", first)
-            outputs = await fleet.pick(exclude=client).encode(req.items, req.blobs, req.pooling,
-                                                              args.request_timeout_s)
+        groups = fleet.route(req.items)  # items split by the worker that owns their route key
+        parts = await asyncio.gather(*(_encode_group(fleet, client, items, req.inline, req.pooling,
+                                                     args.request_timeout_s) for client, items in groups.items()))
+        outputs = {index: out for part in parts for index, out in part.items()}
     except WorkerUnavailable as e:
         raise ApiError(503, f"encoder worker unavailable: {e}", code="unavailable") from None
     except TimeoutError:

@@ -18,12 +18,18 @@ POOLINGS = ("mean", "none")
 
 @dataclass(frozen=True)
 class EncodeItem:
-    """One media item. `source` is a URL or local path; with `inline` its bytes ride in a frame."""
+    """One media item. `source` is a URL or local path; with `inline` its bytes ride in a frame.
+
+    `route_key` (uuid, else URL, else inline-bytes hash: `cache.keys.route_key`) picks the worker on the
+    ring and keys the cache before any download; `uuid` is the client's own media id, if given.
+    """
 
     index: int
     modality: str
     source: str
     inline: bool = False
+    route_key: str = ""
+    uuid: str | None = None
 
 
 @dataclass(frozen=True)

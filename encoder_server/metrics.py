@@ -34,6 +34,8 @@ FORWARD_TOKENS = Histogram("mmenc_forward_tokens", "Patches per encoder forward"
 ENCODE_BUSY = Counter("mmenc_encode_busy_seconds_total", "Time spent in encoder forwards", ["worker"])
 QUEUE_DEPTH = Gauge("mmenc_queue_depth", "Items fetched and waiting for a forward", ["worker"],
                     multiprocess_mode="livesum")
+CACHE_LOOKUPS = Counter("mmenc_cache_lookups_total", "Embedding cache lookups: kind route|content, result hit|miss",
+                        ["kind", "result"])
 WORKER_RESTARTS = Counter("mmenc_worker_restarts_total", "Encoder worker restarts by the supervisor", ["worker"])
 
 

@@ -26,6 +26,7 @@ from encoder_server import metrics
 from encoder_server.config import FetchConfig, PreprocessConfig, WorkerConfig
 from encoder_server.models.loader import load_vision, resolve_device, resolve_dtype
 from encoder_server.scheduler import BatchScheduler
+from encoder_server.worker_cache import WorkerCache
 from encoder_server.worker_io import WorkerIO
 from preprocess.decode import decode_images, displayed_size, resolve_backend
 from preprocess.errors import MediaError
@@ -53,6 +54,8 @@ class Item:
     error: MediaError | None = None
     grid: tuple[int, int, int] = (1, 0, 0)
     timings_ms: dict[str, float] = field(default_factory=dict)
+    route_key: str | None = None  # cache key known before fetching (uuid / URL / inline bytes)
+    content_key: str | None = None  # cache key from the media bytes
 
     @property
     def num_patches(self) -> int:
@@ -74,8 +77,9 @@ class InFlight:
     """A launched forward whose results are being copied to (pinned) host memory."""
 
     items: list[Item]
-    pooled: torch.Tensor  # [N, D] host; valid once `done` has passed
-    full: list[torch.Tensor]  # per item [tokens, D] host, only for pooling "none"
+    pooled: torch.Tensor  # [N, D] host; valid once the copy event has passed
+    tokens: torch.Tensor | None  # [T, D] host, model dtype: for pooling "none" and for the cache
+    lengths: list[int]  # output tokens per item
     started: float
     events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None  # start, end, copies done
 
@@ -122,6 +126,8 @@ class EncoderWorker:
         self.upload_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.scheduler: BatchScheduler[Item] = BatchScheduler(worker.max_batch_tokens, worker.max_batch_items,
                                                               worker.max_wait_ms / 1e3)
+        self.cache = (WorkerCache(self.fingerprint, prep, worker.cache_bytes, worker.cache_by_url, worker.cache_name)
+                      if worker.cache_bytes else None)
         self.fetch_pool = FetchPool(fetch.num_fetch_procs, fetch_policy(fetch), prep.max_source_pixels,
                                     item_timeout_s=fetch.fetch_timeout_s + 5.0, name=f"mmenc-fetch-{index}")
         ready = m.WorkerReady(self.fingerprint, str(self.device), vc.out_hidden_size, os.getpid())
@@ -147,13 +153,41 @@ class EncoderWorker:
         for spec in req.items:
             metrics.ITEMS.labels(spec.modality).inc()
             item = Item(identity, req.request_id, spec.index, req.pooling, spec.modality, now)
-            task = FetchTask(spec.source, next(inline).bytes if spec.inline else None, keep_jpeg=self.backend != "pil")
+            blob = next(inline).bytes if spec.inline else None
+            if self.cache is not None:
+                item.route_key = self.cache.route_key(spec.route_key, spec.uuid is not None)
+                if self.publish_cached(item, self.cache.get_by_route(item.route_key)):
+                    continue
+            if not spec.source and not spec.inline:
+                item.error = MediaError(f"uuid {spec.uuid!r} is not in the cache; send its media with it",
+                                        code="cache_miss")
+                self.publish_error(item)
+                continue
+            task = FetchTask(spec.source, blob, keep_jpeg=self.backend != "pil")
             self.fetch_pool.submit(task, partial(self._fetched, item))
+
+    def publish_cached(self, item: Item, hit: tuple[str, torch.Tensor] | None) -> bool:
+        """Answer `item` from the cache (no preprocessing, no forward). False on a miss."""
+        if hit is None:
+            return False
+        key, tokens = hit  # [t, h/m, w/m, D]
+        merge = self.model.cfg.spatial_merge_size
+        item.grid = (tokens.shape[0], tokens.shape[1] * merge, tokens.shape[2] * merge)
+        item.timings_ms["cache"] = (time.perf_counter() - item.arrived) * 1e3
+        full = tokens.reshape(-1, tokens.shape[-1]).float()  # [tokens, D]
+        self.publish(item, full.mean(0) if item.pooling == "mean" else full)
+        if self.cache is not None and item.route_key and item.content_key:
+            self.cache.alias(item.route_key, key)
+        return True
 
     def _fetched(self, item: Item, result: FetchResult) -> None:
         """Fetch-pool callback: size the item from its pixels or header, then queue it for a forward."""
         item.timings_ms.update(result.timings_ms)
         item.image, item.blob, item.error = result.image, result.blob, result.error
+        if item.error is None and self.cache is not None and result.digest:
+            item.content_key = self.cache.content_key(result.digest)
+            if self.publish_cached(item, self.cache.get(item.content_key)):
+                return
         if item.error is None:
             try:
                 height, width = (item.image.shape[-2:] if item.image is not None
@@ -263,22 +297,22 @@ class EncoderWorker:
         if events:
             events[0].record()
         out = self.model(prep.inputs.pixel_values, [it.grid for it in prep.items])  # [T, D]
-        out32 = out.float()  # [T, D]
-        sums = torch.zeros(len(lengths), out.shape[1], device=out.device).index_add_(0, item_ids, out32)  # [N, D]
+        sums = torch.zeros(len(lengths), out.shape[1], device=out.device).index_add_(0, item_ids, out.float())  # [N, D]
         pooled = sums / counts[:, None]  # [N, D]
-        full = list(out32.split(lengths)) if any(it.pooling == "none" for it in prep.items) else []
         if events:
             events[1].record()
-        pooled, full = _to_host(pooled), [_to_host(t) for t in full]
+        need_tokens = self.cache is not None or any(it.pooling == "none" for it in prep.items)
+        pooled, tokens = _to_host(pooled), _to_host(out) if need_tokens else None
         if events:
             events[2].record()
-        return InFlight(prep.items, pooled, full, started, events)
+        return InFlight(prep.items, pooled, tokens, lengths, started, events)
 
     def finish(self, flight: InFlight) -> None:
         """Wait for the forward's results on the host, then publish each item."""
         if flight.events:
             flight.events[2].synchronize()  # this forward's copies only, not the forward queued after it
-        pooled, full = flight.pooled, flight.full  # [N, D], per item [tokens, D]
+        pooled = flight.pooled  # [N, D]
+        per_item = flight.tokens.split(flight.lengths) if flight.tokens is not None else None  # [tokens, D] each
         encode_s = (flight.events[0].elapsed_time(flight.events[1]) / 1e3 if flight.events
                     else time.perf_counter() - flight.started)
         metrics.FORWARDS.labels(self.name, flight.items[0].modality).inc()
@@ -288,8 +322,12 @@ class EncoderWorker:
         for i, it in enumerate(flight.items):
             it.timings_ms["encode"] = encode_s * 1e3
             start = time.perf_counter()
-            self.publish(it, pooled[i] if it.pooling == "mean" else full[i])
+            self.publish(it, pooled[i] if it.pooling == "mean" else per_item[i].float())
             it.timings_ms["publish"] = (time.perf_counter() - start) * 1e3
+            if self.cache is not None and it.content_key and per_item is not None:
+                t, h, w = it.grid
+                merge = self.model.cfg.spatial_merge_size
+                self.cache.put(it.route_key, it.content_key, per_item[i].view(t, h // merge, w // merge, -1))
             for stage, ms in it.timings_ms.items():
                 metrics.STAGE_SECONDS.labels(stage).observe(ms / 1e3)
 
@@ -317,6 +355,8 @@ class EncoderWorker:
     def stop(self) -> None:
         self.scheduler.close()
         self.fetch_pool.close()
+        if self.cache is not None:
+            self.cache.close()
 
 
 def worker_main(index: int, address: str, worker: WorkerConfig, prep: PreprocessConfig, fetch: FetchConfig,
@@ -326,12 +366,15 @@ def worker_main(index: int, address: str, worker: WorkerConfig, prep: Preprocess
 
     from encoder_server.logs import die_with_parent, set_process_name, setup_logging
 
+    # NOTE: Ctrl-C reaches the whole process group; the supervisor decides, and stops us with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     set_process_name(f"mmenc-worker-{index}")
     setup_logging(log_level)
     w = EncoderWorker(index, address, worker, prep, fetch)
-    signal.signal(signal.SIGTERM, lambda *_: w.stop())
+    signal.signal(signal.SIGTERM, lambda *_: w.scheduler.close())  # the loop finishes what is in flight
     try:
         w.run()
     finally:
-        w.fetch_pool.close()
+        w.stop()  # fetch processes, then pending cache writes
+        log.info("%s stopped", w.name)

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import ctypes
 import ctypes.util
+import hashlib
 import itertools
 import logging
 import math
@@ -67,6 +68,7 @@ class FetchResult:
     blob: bytes | None  # compressed bytes, when keep_jpeg and `is_plain_jpeg` said the GPU can take it
     error: MediaError | None
     timings_ms: dict[str, float] = field(default_factory=dict)  # "fetch" and, when decoded here, "decode"
+    digest: str = ""  # blake2b-128 of the media bytes (hex), for content-addressed caching
 
 
 # ------------------------------------------------------------------ messages on a child's pipe
@@ -97,6 +99,7 @@ class _Done:  # child -> parent: pixels in the arena (`shape`), bytes (`blob`) o
     shape: tuple[int, int, int] | None = None
     blob: bytes | None = None
     error: tuple[str, str, str, int] | None = None  # (MediaError class name, message, code, status)
+    digest: str = ""
 
 
 _READY = "ready"  # child -> parent, once, after its imports
@@ -130,7 +133,8 @@ def _child_main(conn: Connection, name: str, arena_name: str, policy: FetchPolic
                 dst = torch.frombuffer(arena.buf, dtype=torch.uint8, count=num_bytes).view(image.shape)  # [3, H, W]
                 dst.copy_(image)
                 del dst  # NOTE: an exported buffer would make arena.close() fail
-                done = _Done(done.task_id, done.timings_ms, arena=arena.name, shape=tuple(image.shape))
+                done = _Done(done.task_id, done.timings_ms, arena=arena.name, shape=tuple(image.shape),
+                             digest=done.digest)
             conn.send(done)
     except (EOFError, OSError):
         pass  # the parent is gone
@@ -148,13 +152,14 @@ def _read(job: _Job, policy: FetchPolicy, max_source_pixels: int, is_test: bool
             _test_hook(task.source)
         blob = task.inline if task.inline is not None else fetch_media(task.source, policy)
         timings["fetch"] = _ms_since(start)
+        digest = hashlib.blake2b(blob, digest_size=16).hexdigest()
         start = time.perf_counter()
         img = open_image(blob, max_source_pixels)  # header only: MediaTooLarge before any pixel is decoded
         if task.keep_jpeg and exif_orientation(img) is not None and is_plain_jpeg(blob, img, _GPU_JPEG_MODES):
-            return _Done(job.task_id, timings, blob=blob), None
+            return _Done(job.task_id, timings, blob=blob, digest=digest), None
         image = pil_to_tensor(img)  # [3, H, W], a view of [H, W, 3]
         timings["decode"] = _ms_since(start)
-        return _Done(job.task_id, timings), image
+        return _Done(job.task_id, timings, digest=digest), image
     except MediaError as e:
         return _Done(job.task_id, timings, error=(type(e).__name__, e.message, e.code, e.status)), None
     except Exception as e:  # a decoder bug fails its item with a 500; the traceback stays in our log
@@ -372,7 +377,7 @@ class FetchPool:
             error = _ERRORS.get(kind, MediaError)(message, code=code, status=status)
             return FetchResult(None, None, error, done.timings_ms)
         if done.shape is None:
-            return FetchResult(None, done.blob, None, done.timings_ms)
+            return FetchResult(None, done.blob, None, done.timings_ms, done.digest)
         if done.arena != child.arena.name:
             raise RuntimeError(f"{child.process.name} wrote to {done.arena}, not its arena {child.arena.name}")
         start = time.perf_counter()
@@ -382,7 +387,7 @@ class FetchPool:
         image.copy_(src)
         del src  # NOTE: an exported buffer would make the arena's close() fail
         timings = {**done.timings_ms, "decode": done.timings_ms.get("decode", 0.0) + _ms_since(start)}
-        return FetchResult(image, None, None, timings)
+        return FetchResult(image, None, None, timings, done.digest)
 
     def _replace(self, child: _Child, error: MediaError | None) -> None:
         """Kill `child`, fail its task with `error`, start a new child on the same arena."""

@@ -26,10 +26,13 @@ def free_port() -> int:
 class ServerProcess:
     """`mmenc serve` with `flags` as a child process; `url` is its base URL once `start()` returns."""
 
-    def __init__(self, *flags: str, startup_timeout_s: float = 120.0) -> None:
+    def __init__(self, *flags: str, startup_timeout_s: float = 120.0, cache_name: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.flags = list(flags)
+        # NOTE: each test server gets its own cache arena (unless told to share one), removed on stop(),
+        # so a cache left by another test or an earlier run cannot answer for it.
+        self.cache_name = cache_name or f"mmenc-cache-test-{os.getpid()}-{self.port}"
+        self.flags = ["--cache-name", self.cache_name, "--cache-bytes", str(64 << 20), *flags]
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"mmenc-test-{self.port}.log"
@@ -58,7 +61,7 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 
-    def stop(self) -> None:
+    def stop(self, keep_cache: bool = False) -> None:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
@@ -66,6 +69,11 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if not keep_cache:
+            from cache.shm import ShmEmbeddingCache
+
+            if ShmEmbeddingCache.exists(self.cache_name):
+                ShmEmbeddingCache(self.cache_name, 0, create=False).unlink()
 
     def get(self, path: str) -> tuple[int, Any]:
         return self._call(urllib.request.Request(self.url + path))

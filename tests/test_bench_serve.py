@@ -31,7 +31,7 @@ def _check_row(row: dict) -> None:
 
 
 def test_closed_loop_with_naive_baseline(tmp_path):
-    server_args = "--vision-model tiny --device cpu"
+    server_args = "--vision-model tiny --device cpu --cache-bytes 0"
     result = _run(tmp_path, "--start", "--server-args", server_args, "--concurrency", "4", "--duration", "3",
                   "--baseline", "naive", "--naive-device", "cpu")
     ours, naive = ([r for r in result["rows"] if r["server"] == name] for name in ("mmenc", "naive"))
