@@ -48,16 +48,17 @@ from cache.shm_arena import Arena
 from cache.shm_layout import (
     A_BYTES_USED,
     A_CAPACITY,
+    A_DIRTY,
     A_ENTRIES,
     A_HITS,
     A_LOCK_TIMEOUTS,
     A_MAX_ENTRIES,
     A_MISSES,
+    A_PENDING_OFF,
     A_PUT_FAILURES,
     A_READ_RETRIES,
     ARENA_MAGIC,
     B_GEN,
-    B_HASH,
     B_META,
     B_NBYTES,
     B_PID,
@@ -112,6 +113,7 @@ class ShmEmbeddingCache:
         self._tlock = threading.Lock()  # orders this process's threads; flock orders processes
         self._arena: Arena | None = Arena(self._mm)
         self._unflushed = dict.fromkeys((A_MISSES, A_PUT_FAILURES, A_LOCK_TIMEOUTS), 0)
+        self._num_unflushed = 0
         self._unflushed_lock = threading.Lock()
 
     def _attach(self, fd: int, layout: ArenaLayout | None) -> mmap.mmap:
@@ -214,7 +216,7 @@ class ShmEmbeddingCache:
                 return False
             b = off >> 3
             try:
-                w[b + B_NBYTES], w[b + B_HASH], w[b + B_PID] = payload.nbytes, h, self._pid
+                w[b + B_NBYTES], w[b + B_PID] = payload.nbytes, self._pid
                 w[b + B_META] = code | tensor.dim() << 8 | len(kb) << 16
                 for i, n in enumerate(tensor.shape):
                     w[b + B_SHAPE + i] = n
@@ -308,24 +310,31 @@ class ShmEmbeddingCache:
     def _lock(self, timeout_s: float | None = None) -> bool:
         """Take the machine-wide lock (False after `timeout_s`), then repair what a dead holder left."""
         timeout_s = self.lock_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        if not self._tlock.acquire(timeout=timeout_s):
-            self._count(A_LOCK_TIMEOUTS)
-            return False
-        if not _flock(self._fd, deadline - time.monotonic()):
-            self._tlock.release()
-            self._count(A_LOCK_TIMEOUTS)
-            return False
+        start = 0.0
+        if not self._tlock.acquire(False):  # NOTE: fast paths first; the timed waits are the rare case
+            start = time.monotonic()
+            if not self._tlock.acquire(timeout=timeout_s):
+                self._count(A_LOCK_TIMEOUTS)
+                return False
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not _flock(self._fd, timeout_s - (time.monotonic() - start if start else 0.0)):
+                self._tlock.release()
+                self._count(A_LOCK_TIMEOUTS)
+                return False
         try:
             arena = self._arena
             assert arena is not None
-            if arena.needs_recovery():
+            w = arena.w
+            if w[A_DIRTY] or w[A_PENDING_OFF]:
                 arena.recover()
-            if any(self._unflushed.values()):
+            if self._num_unflushed:
                 with self._unflushed_lock:
                     for word, n in self._unflushed.items():
-                        arena.w[word] += n
+                        w[word] += n
                         self._unflushed[word] = 0
+                    self._num_unflushed = 0
         except BaseException:
             self._unlock()
             raise
@@ -339,6 +348,7 @@ class ShmEmbeddingCache:
         """Count an event that happened without the lock; added to the arena's counters at the next lock."""
         with self._unflushed_lock:
             self._unflushed[word] += 1
+            self._num_unflushed += 1
 
 
 def _flock(fd: int, timeout_s: float) -> bool:

@@ -79,7 +79,7 @@ class Arena:
     """Index, LRU and allocator over a shared buffer. Every method expects the caller to hold the arena lock.
 
     Args:
-        buf: a writable buffer (the mmap of the arena file) laid out as described in the module docstring.
+        buf: a writable buffer (the mmap of the arena file) laid out as in `cache.shm_layout`.
     """
 
     def __init__(self, buf: memoryview | bytearray) -> None:
@@ -129,9 +129,6 @@ class Arena:
 
     def end(self) -> None:
         self.w[A_DIRTY] = 0
-
-    def needs_recovery(self) -> bool:
-        return self.w[A_DIRTY] != 0 or self.w[A_PENDING_OFF] != 0
 
     def recover(self) -> None:
         """Repair what a dead lock holder left: rebuild the index when it died mid-mutation, else free its
@@ -206,7 +203,7 @@ class Arena:
         b, w = off >> 3, self.w
         meta = w[b + B_META]
         ndim, key_len = (meta >> 8) & 0xFF, (meta >> 16) & 0xFF
-        return (ndim <= MAX_NDIM and 0 < key_len <= MAX_KEY_BYTES and 0 <= w[b + B_NBYTES]
+        return (meta & 0xFF != 0 and ndim <= MAX_NDIM and 0 < key_len <= MAX_KEY_BYTES and 0 <= w[b + B_NBYTES]
                 and block_bytes(w[b + B_NBYTES]) <= w[b + B_SIZE])
 
     # ----------------------------------------------------------------------------------------- lookups

@@ -197,7 +197,10 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
     model_name: str = "mmenc-vision"
-    num_workers: int = 0  # 0: one per visible GPU, or one on the CPU
+    num_workers: int = -1  # local encoder workers; -1: one per visible GPU (one on the CPU); 0: none (--encoders)
+    worker_host: str = "127.0.0.1"  # with --worker-port: the interface worker endpoints bind
+    worker_port: int = 0  # 0: workers listen on local ipc sockets; P: worker i on tcp://worker_host:P+i
+    encoders: str = ""  # remote workers (host:port,...) of `mmenc serve --worker-port` on other machines
     max_items_per_request: int = 64
     max_body_bytes: int = 64 * 1024 * 1024
     request_timeout_s: float = 120.0
@@ -208,11 +211,23 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port out of range: {self.port}")
-        _require(self.num_workers >= 0, "num_workers must be >= 0 (0 = one per GPU)")
+        _require(self.num_workers >= -1, "num_workers must be >= -1 (-1 = one per GPU)")
+        _require(self.num_workers != 0 or bool(self.encoder_addresses),
+                 "num_workers 0 needs --encoders host:port,... (someone must encode)")
+        _require(0 <= self.worker_port < 65536, f"worker_port out of range: {self.worker_port}")
+        for address in self.encoder_addresses:
+            host, _, port = address.removeprefix("tcp://").rpartition(":")
+            _require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                     f"--encoders entry {address!r} is not host:port")
         _require(self.max_items_per_request > 0, "max_items_per_request must be > 0")
         _require(self.max_body_bytes > 0, "max_body_bytes must be > 0")
         _require(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "bad log_level")
+
+    @property
+    def encoder_addresses(self) -> list[str]:
+        """ZeroMQ addresses of the remote workers in `encoders`."""
+        return ["tcp://" + a.strip().removeprefix("tcp://") for a in self.encoders.split(",") if a.strip()]
 
 
 # --------------------------------------------------------------------------------------------- CLI

@@ -31,22 +31,31 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0  # model load + compile warm-up
 PING_INTERVAL_S = 2.0
 PING_TIMEOUT_S = 30.0  # a worker whose socket thread is silent this long is killed and restarted
+REMOTE_START_TIMEOUT_S = 30.0
+REMOTE_PING_TIMEOUT_S = 6.0
 MAX_BACKOFF_S = 30.0
 
 
 @dataclass
 class WorkerSlot:
+    """A local worker process we supervise (`bind` set), or a remote worker we only ping."""
+
     index: int
-    address: str
+    address: str  # where the client connects
     device: str
     client: WorkerClient
+    bind: str | None = None  # where a local worker listens
     proc: BaseProcess | None = None
     restarts: int = 0
     backoff_s: float = 0.5
 
+    @property
+    def is_remote(self) -> bool:
+        return self.bind is None
+
 
 def num_workers(args: ServerArgs) -> int:
-    if args.num_workers:
+    if args.num_workers >= 0:
         return args.num_workers
     if args.worker.device in ("auto", "cuda") and torch.cuda.is_available():
         return torch.cuda.device_count()
@@ -59,16 +68,34 @@ def worker_device(args: ServerArgs, index: int) -> str:
     return args.worker.device
 
 
+async def _try_ready(client: WorkerClient) -> bool:
+    try:
+        await client.wait_ready(REMOTE_START_TIMEOUT_S)
+        return True
+    except WorkerUnavailable:
+        return False
+
+
 class Fleet:
     def __init__(self, args: ServerArgs, run_dir: Path) -> None:
         self.args = args
-        self.slots = [WorkerSlot(i, f"ipc://{run_dir}/worker-{i}", worker_device(args, i),
-                                 WorkerClient(f"ipc://{run_dir}/worker-{i}")) for i in range(num_workers(args))]
+        self.slots = [self._local_slot(i, run_dir) for i in range(num_workers(args))]
+        self.slots += [WorkerSlot(len(self.slots) + i, address, "remote", WorkerClient(address))
+                       for i, address in enumerate(args.encoder_addresses)]
         self.ring = Ring()  # addresses of the ready workers
         self._by_address = {s.address: s.client for s in self.slots}
         self._ctx = mp.get_context("spawn")
         self._stopping = False
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _local_slot(self, index: int, run_dir: Path) -> WorkerSlot:
+        if self.args.worker_port:
+            bind = f"tcp://{self.args.worker_host}:{self.args.worker_port + index}"
+            host = "127.0.0.1" if self.args.worker_host in ("0.0.0.0", "*") else self.args.worker_host
+            address = f"tcp://{host}:{self.args.worker_port + index}"
+        else:
+            bind = address = f"ipc://{run_dir}/worker-{index}"
+        return WorkerSlot(index, address, worker_device(self.args, index), WorkerClient(address), bind=bind)
 
     @property
     def clients(self) -> list[WorkerClient]:
@@ -76,16 +103,22 @@ class Fleet:
 
     async def start(self) -> None:
         """Start every worker and wait until all answer; raise if one dies while starting."""
+        local = [s for s in self.slots if not s.is_remote]
         for slot in self.slots:
             slot.client.start()
-            self._spawn(slot)
+            if not slot.is_remote:
+                self._spawn(slot)
         try:
-            await asyncio.gather(*(s.client.wait_ready(START_TIMEOUT_S) for s in self.slots))
+            await asyncio.gather(*(s.client.wait_ready(START_TIMEOUT_S) for s in local))
+            if not local:  # else a remote fleet that is not up yet joins the ring when it answers a ping
+                await asyncio.gather(*(_try_ready(s.client) for s in self.slots))
         except WorkerUnavailable:
             await self.stop()
             raise
-        for slot in self.slots:
-            self.ring.add(slot.address)
+        self._update_ring()
+        if not len(self.ring):
+            await self.stop()
+            raise WorkerUnavailable("no encoder worker answered (local or --encoders)")
         self._background(self._health_loop())
 
     def pick(self, exclude: WorkerClient | None = None) -> WorkerClient:
@@ -112,7 +145,7 @@ class Fleet:
         proc = self._ctx.Process(
             # NOTE: not daemonic, since a worker has fetch processes of its own; it dies with us (PDEATHSIG).
             target=worker_main, name=f"mmenc-worker-{slot.index}", daemon=False,
-            args=(slot.index, slot.address, worker_cfg, self.args.preprocess, self.args.fetch, self.args.log_level))
+            args=(slot.index, slot.bind, worker_cfg, self.args.preprocess, self.args.fetch, self.args.log_level))
         proc.start()
         slot.proc = proc
         loop = asyncio.get_running_loop()
@@ -149,19 +182,35 @@ class Fleet:
             log.error("mmenc-worker-%d did not come back: %s", slot.index, e)
 
     async def _health_loop(self) -> None:
-        """Ping ready workers; kill one whose socket thread has been silent for PING_TIMEOUT_S."""
+        """Ping workers. A local one silent for PING_TIMEOUT_S is killed (and restarted); a remote one
+        silent for REMOTE_PING_TIMEOUT_S leaves the ring (its requests fail) and rejoins when it answers."""
         while not self._stopping:
             now = asyncio.get_running_loop().time()
             for slot in self.slots:
                 client, proc = slot.client, slot.proc
-                if client.ready is None or proc is None or not proc.is_alive():
-                    continue
-                if now - client.last_pong > PING_TIMEOUT_S:
-                    log.error("mmenc-worker-%d silent for %.0f s; killing it", slot.index, now - client.last_pong)
-                    os.kill(proc.pid or 0, signal.SIGKILL)
-                else:
+                silent_s = now - client.last_pong
+                if slot.is_remote:
+                    if client.ready is not None and silent_s > REMOTE_PING_TIMEOUT_S:
+                        log.error("remote worker %s silent for %.0f s; out of the ring", slot.address, silent_s)
+                        client.mark_dead(f"remote worker {slot.address} stopped answering")
+                    elif client.ready is None:
+                        client.revive()  # ready again once it answers this ping
                     await client.ping()
+                elif client.ready is not None and proc is not None and proc.is_alive():
+                    if silent_s > PING_TIMEOUT_S:
+                        log.error("mmenc-worker-%d silent for %.0f s; killing it", slot.index, silent_s)
+                        os.kill(proc.pid or 0, signal.SIGKILL)
+                    else:
+                        await client.ping()
+            self._update_ring()
             await asyncio.sleep(PING_INTERVAL_S)
+
+    def _update_ring(self) -> None:
+        for slot in self.slots:
+            if slot.client.ready is not None:
+                self.ring.add(slot.address)
+            else:
+                self.ring.remove(slot.address)
 
     def _background(self, coro) -> None:  # noqa: ANN001
         task = asyncio.get_running_loop().create_task(coro)

@@ -126,14 +126,20 @@ class EncoderWorker:
         self.upload_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.scheduler: BatchScheduler[Item] = BatchScheduler(worker.max_batch_tokens, worker.max_batch_items,
                                                               worker.max_wait_ms / 1e3)
-        self.cache = (WorkerCache(self.fingerprint, prep, worker.cache_bytes, worker.cache_by_url, worker.cache_name)
-                      if worker.cache_bytes else None)
+        self.cache = self._open_cache(worker, prep) if worker.cache_bytes else None
         self.fetch_pool = FetchPool(fetch.num_fetch_procs, fetch_policy(fetch), prep.max_source_pixels,
                                     item_timeout_s=fetch.fetch_timeout_s + 5.0, name=f"mmenc-fetch-{index}")
         ready = m.WorkerReady(self.fingerprint, str(self.device), vc.out_hidden_size, os.getpid())
         self.io = WorkerIO(address, self.on_request, ready)
         self._local = threading.local()  # one PUSH socket per publishing thread (sockets are not thread-safe)
         self.queue_depth = metrics.QUEUE_DEPTH.labels(self.name)
+
+    def _open_cache(self, worker: WorkerConfig, prep: PreprocessConfig) -> WorkerCache | None:
+        try:
+            return WorkerCache(self.fingerprint, prep, worker.cache_bytes, worker.cache_by_url, worker.cache_name)
+        except OSError as e:  # e.g. /dev/shm too small: serve without a cache rather than not at all
+            log.warning("%s: embedding cache unavailable (%s); running without it", self.name, e)
+            return None
 
     @torch.inference_mode()
     def warm_up(self) -> None:

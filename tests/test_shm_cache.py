@@ -179,17 +179,41 @@ def test_max_entries_bounds_the_entry_count(name: str) -> None:
         check_arena(cache)
 
 
-def test_a_returned_tensor_is_a_private_copy(name: str) -> None:
+def _overwrite_and_evict(name: str, key: str) -> None:
+    """Child: overwrite `key`, then flood the arena until that entry is evicted and its bytes reused."""
+    with ShmEmbeddingCache(name, 0, create=False) as cache:
+        cache.put(key, torch.zeros(1000, dtype=torch.int32))
+        for i in range(40):
+            cache.put(f"other{i}", torch.full((1000,), -1, dtype=torch.int32))
+        os._exit(0 if not cache.contains(key) else 3)
+
+
+def test_a_returned_tensor_is_a_private_copy(name: str, forkserver: mp.context.ForkServerContext) -> None:
     with ShmEmbeddingCache(name, 64 * KB) as cache:
         cache.put("k", torch.arange(1000, dtype=torch.int32))
         got = cache.get("k")
         assert got is not None
-        expected = got.clone()
-        cache.put("k", torch.zeros(1000, dtype=torch.int32))  # overwritten
-        for i in range(40):  # then evicted, its bytes reused by other keys
-            cache.put(f"other{i}", torch.full((1000,), -1, dtype=torch.int32))
-        assert not cache.contains("k")
-    assert torch.equal(got, expected)  # also after close()
+        child = forkserver.Process(target=_overwrite_and_evict, args=(name, "k"))
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0 and not cache.contains("k")
+    assert torch.equal(got, torch.arange(1000, dtype=torch.int32))  # unchanged, also after close()
+
+
+def test_attach_checks_what_it_finds(name: str) -> None:
+    path = f"/dev/shm/{name}"
+    open(path, "wb").close()  # a creator that died before initialising the arena
+    assert not ShmEmbeddingCache.exists(name)
+    with pytest.raises(FileNotFoundError):
+        ShmEmbeddingCache(name, 0, create=False)
+    with ShmEmbeddingCache(name, 64 * KB) as cache:  # create=True initialises it
+        assert cache.put("k", torch.ones(3)) and ShmEmbeddingCache.exists(name)
+    os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(b"not an arena" * 1000)
+    with pytest.raises(ValueError):
+        ShmEmbeddingCache(name, 64 * KB)
+    assert not ShmEmbeddingCache.exists(name)
 
 
 def test_threads_of_one_process_share_an_instance(name: str) -> None:
