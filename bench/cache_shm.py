@@ -40,15 +40,16 @@ def _num_keys(size: int) -> int:
 def _hammer(name: str, op: str, size: int, seed: int, seconds: float, barrier: Barrier, conn: Connection) -> None:
     """One benchmark process: warm up, wait for the others, then time `op` on random keys."""
     torch.set_num_threads(1)
-    cache = ShmEmbeddingCache(name, 0, create=False)
+    cache = ShmEmbeddingCache(name, 0, create=False, lock_timeout_s=30.0)  # measure waits, not timeouts
     rng = random.Random(seed)
     keys = [f"{i:064x}" for i in range(_num_keys(size))]
     value = torch.randn(size // 4)  # [size / 4] float32
-    for key in keys:
-        assert cache.get(key) is not None
-        if op == "put":
+    for key in keys:  # warm-up: map the arena's pages into this process
+        if op == "get":
+            assert cache.get(key) is not None
+        else:
             cache.put(key, value)
-    barrier.wait()
+    barrier.wait(timeout=120)
     latencies: list[float] = []
     start = time.perf_counter()
     deadline = start + seconds
@@ -57,7 +58,7 @@ def _hammer(name: str, op: str, size: int, seed: int, seconds: float, barrier: B
         ok = cache.get(key) is not None if op == "get" else cache.put(key, value)
         latencies.append(time.perf_counter() - now)
         assert ok, f"{op} failed"
-    conn.send((latencies, time.perf_counter() - start))
+    conn.send((statistics.median(latencies), len(latencies), time.perf_counter() - start))  # small: fits the pipe
     cache.close()
 
 
@@ -77,20 +78,21 @@ def _copy_p50(size: int, iters: int = 200) -> float:
 
 def _run_op(ctx: mp.context.BaseContext, name: str, op: str, size: int, procs: int, seconds: float
             ) -> tuple[float, list[float]]:
-    """(p50 seconds per call over all processes, GB/s of each process)."""
+    """(median over processes of their p50 seconds per call, GB/s of each process)."""
     barrier = ctx.Barrier(procs)
     pipes = [ctx.Pipe(duplex=False) for _ in range(procs)]
     workers = [ctx.Process(target=_hammer, args=(name, op, size, rank, seconds, barrier, send))
                for rank, (_, send) in enumerate(pipes)]
     for w in workers:
         w.start()
-    results = [recv.recv() for recv, _ in pipes]
-    for w in workers:
-        w.join(30)
+    for w in workers:  # NOTE: results are small; a dead worker must not leave us blocked on its pipe
+        w.join(seconds + 120)
         if w.exitcode != 0:
+            for other in workers:
+                other.kill()
             raise RuntimeError(f"benchmark process for {op} exited with {w.exitcode}")
-    latencies = [t for lat, _ in results for t in lat]
-    return statistics.median(latencies), [len(lat) * size / elapsed / 1e9 for lat, elapsed in results]
+    results = [recv.recv() for recv, _ in pipes]
+    return statistics.median(p50 for p50, _, _ in results), [n * size / elapsed / 1e9 for _, n, elapsed in results]
 
 
 def run_shm_bench(sizes_bytes: list[int], num_procs: list[int], seconds: float) -> list[dict[str, Any]]:

@@ -4,30 +4,37 @@ Mechanism
 - Arena: a plain file `/dev/shm/<name>` (tmpfs, so RAM), mapped with `mmap` by every process that attaches.
   It is not a `multiprocessing.shared_memory` segment, so no resource tracker unlinks it when its creator
   exits: it lives until `unlink()` (or a reboot), and a restarted fleet attaches to it warm. Creation
-  reserves the RAM with `posix_fallocate`, so a full /dev/shm fails at creation rather than with SIGBUS
-  on a later write. Layout, index and allocator: see `cache.shm_arena`.
+  reserves the RAM with `posix_fallocate`, so a /dev/shm too small (a container's 64 MB default) fails at
+  creation rather than with SIGBUS on a later write. Byte layout: `cache.shm_layout`; index, LRU list,
+  allocator and crash repair: `cache.shm_arena`.
 - Capacity: `capacity_bytes` is the data region (rounded down to 64); each entry takes a 192-byte header
-  plus its payload rounded up to 64 (`cache.shm_arena.block_bytes`). The hash table (one bucket per
-  2 KiB of capacity by default) comes on top. Attaching to an existing arena keeps the creator's capacity
-  and ignores the `capacity_bytes` passed.
+  plus its payload rounded up to 64 (`cache.shm_layout.block_bytes`); `bytes_used` counts the same. The
+  hash table (8 bytes per 2 KiB of capacity by default) comes on top. Attaching to an existing arena keeps
+  the creator's capacity and ignores the `capacity_bytes` passed.
+- Allocator and eviction: variable-size blocks with free lists per power-of-two size class (good fit,
+  split, merge with free neighbours). Eviction is LRU over whole entries: the least recently used entry
+  goes, merged with its free neighbours, until the new entry fits (fragmentation can make that more than
+  the bare byte count would need).
 - Lock: one machine-wide lock, `flock` on the arena file, which the kernel drops when its holder dies.
   flock belongs to an open file description, so each instance opens its own fd (a forked child reopens
   it), and a `threading.Lock` orders the threads of one process. A wait past `lock_timeout_s` gives up:
-  `put` returns False, `get` returns None (counted as a put failure / miss and a lock timeout).
-- put: under the lock, drop the key's old entry, evict least-recently-used entries until a block fits,
-  reserve it (PENDING), write header + key + payload, publish it (VALID, in the table, at the LRU head).
-  Writers copy under the lock; a put of 1 MB holds it for ~0.1 ms.
+  `put` returns False, `get` returns None (counted as a put failure / miss, and a lock timeout).
+- put: under the lock, drop the key's old entry, evict until a block fits, reserve it (PENDING), write
+  header + key + payload, publish it (VALID, in the table, at the LRU head). Writers copy under the lock
+  (1 MB holds it ~0.1 ms).
 - get: look the key up under the lock and note the block's offset and generation, copy the payload out
   *outside* the lock (readers do not serialise on copies), then re-check under the lock that the key still
-  maps to that block with that generation, and only then return the copy (else retry). A block is only ever
-  rewritten after it has been freed, which drops it from the table, so a passed re-check proves no writer
-  touched the bytes during the copy. Each lookup also compares the key stored in the block header.
+  maps to that block with that generation, and only then return the copy (else go again, up to 4 times,
+  then report a miss). A block is only rewritten after it was freed, which drops it from the table, so a
+  passed re-check proves no writer touched the bytes during the copy. Lookups also compare the key stored
+  in the block header with the key asked for.
 - Crash recovery: a lock holder SIGKILLed mid-mutation leaves the arena's dirty word set, and the next lock
   holder rebuilds the index from the block chain; one killed while copying a payload leaves its block
-  PENDING, and the next holder frees it. A killed reader holds nothing. See `cache.shm_arena`.
+  PENDING, and the next holder frees it. A killed reader holds nothing.
 
 `get` returns a private copy (one copy out of the arena, never a view of shared memory): it stays valid
-and unchanged after the entry is overwritten or evicted, or the cache is closed.
+and unchanged after the entry is overwritten or evicted, or the cache is closed. The first touch of each
+arena page costs a process a page fault; after that a get costs ~15 us plus the copy.
 """
 
 from __future__ import annotations
@@ -37,8 +44,7 @@ import mmap
 import os
 import re
 import struct
-import threading
-import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +78,7 @@ from cache.shm_layout import (
     block_bytes,
     key_hash,
 )
+from cache.shm_lock import ArenaLock, flock_within
 
 SHM_DIR = Path("/dev/shm")
 DEFAULT_LOCK_TIMEOUT_S = 0.5
@@ -96,6 +103,12 @@ class ShmEmbeddingCache:
             FileNotFoundError when there is no initialised arena of that name.
         max_entries: most entries at once when creating (default: one per 4 KiB of capacity, 256..4M).
         lock_timeout_s: how long get/put/contains wait for the machine-wide lock before giving up.
+
+    Raises:
+        FileNotFoundError: create=False and no initialised arena of that name.
+        FileExistsError: the file of that name is not an arena of this format (unlink it).
+        OSError: others from the file system, e.g. ENOSPC when /dev/shm cannot hold the capacity.
+        ValueError: a bad name, or (creating) a capacity below one entry.
     """
 
     def __init__(self, name: str, capacity_bytes: int, create: bool = True, *, max_entries: int | None = None,
@@ -109,26 +122,23 @@ class ShmEmbeddingCache:
         except BaseException:
             os.close(fd)
             raise
-        self._fd, self._pid = fd, os.getpid()
-        self._tlock = threading.Lock()  # orders this process's threads; flock orders processes
+        self._arena_lock = ArenaLock(fd)
         self._arena: Arena | None = Arena(self._mm)
-        self._unflushed = dict.fromkeys((A_MISSES, A_PUT_FAILURES, A_LOCK_TIMEOUTS), 0)
-        self._num_unflushed = 0
-        self._unflushed_lock = threading.Lock()
+        self._unflushed: deque[int] = deque()  # counter words of events seen without the lock (append is atomic)
 
     def _attach(self, fd: int, layout: ArenaLayout | None) -> mmap.mmap:
         """Map the arena, first initialising it under the lock when it is new or its creator died mid-way."""
-        if not _flock(fd, ATTACH_TIMEOUT_S):
+        if not flock_within(fd, ATTACH_TIMEOUT_S):
             raise TimeoutError(f"shared-memory cache {self.name!r} stayed locked for {ATTACH_TIMEOUT_S}s")
         try:
             magic, file_bytes = struct.unpack("<2q", os.pread(fd, 16, 0).ljust(16, b"\0"))
             if magic == ARENA_MAGIC:
                 if os.fstat(fd).st_size != file_bytes:
-                    raise ValueError(f"{self.path}: arena file is {os.fstat(fd).st_size} bytes, header says "
-                                     f"{file_bytes}; unlink it")
+                    raise FileExistsError(f"{self.path}: arena file is {os.fstat(fd).st_size} bytes, header says "
+                                          f"{file_bytes}; unlink it")
                 return mmap.mmap(fd, file_bytes)
             if magic != 0:
-                raise ValueError(f"{self.path} is not an mmenc cache arena of this version; unlink it")
+                raise FileExistsError(f"{self.path} is not an mmenc cache arena of this version; unlink it")
             if layout is None:
                 raise FileNotFoundError(f"no initialised shared-memory cache named {self.name!r}")
             os.ftruncate(fd, 0)  # zero whatever a creator that died mid-way left behind
@@ -216,7 +226,7 @@ class ShmEmbeddingCache:
                 return False
             b = off >> 3
             try:
-                w[b + B_NBYTES], w[b + B_PID] = payload.nbytes, self._pid
+                w[b + B_NBYTES], w[b + B_PID] = payload.nbytes, os.getpid()
                 w[b + B_META] = code | tensor.dim() << 8 | len(kb) << 16
                 for i, n in enumerate(tensor.shape):
                     w[b + B_SHAPE + i] = n
@@ -273,8 +283,11 @@ class ShmEmbeddingCache:
             return
         self._arena.release()
         self._arena = None
-        self._mm.close()
-        os.close(self._fd)
+        try:
+            self._mm.close()
+        except BufferError:  # a view of the mapping is still referenced somewhere: unmapped when it goes
+            pass
+        self._arena_lock.close()
 
     def unlink(self) -> None:
         """Remove the arena from the machine. Processes still attached keep their mapping until they close."""
@@ -282,11 +295,11 @@ class ShmEmbeddingCache:
 
     @staticmethod
     def exists(name: str) -> bool:
-        """Whether an initialised arena named `name` is on this machine."""
+        """Whether an initialised arena named `name` (that this process may read) is on this machine."""
         try:
             with open(_arena_path(name), "rb") as f:
                 return struct.unpack("<q", f.read(8).ljust(8, b"\0"))[0] == ARENA_MAGIC
-        except FileNotFoundError:
+        except OSError:
             return False
 
     def __enter__(self) -> ShmEmbeddingCache:
@@ -299,77 +312,32 @@ class ShmEmbeddingCache:
     def _live(self) -> Arena:
         if self._arena is None:
             raise ValueError(f"shared-memory cache {self.name!r} is closed")
-        if self._pid != os.getpid():  # forked: the inherited fd shares the parent's flock, so take our own
-            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
-            os.close(self._fd)
-            self._fd, self._pid = fd, os.getpid()
-            self._tlock, self._unflushed_lock = threading.Lock(), threading.Lock()
-            self._arena.pid = self._pid
         return self._arena
 
     def _lock(self, timeout_s: float | None = None) -> bool:
         """Take the machine-wide lock (False after `timeout_s`), then repair what a dead holder left."""
-        timeout_s = self.lock_timeout_s if timeout_s is None else timeout_s
-        start = 0.0
-        if not self._tlock.acquire(False):  # NOTE: fast paths first; the timed waits are the rare case
-            start = time.monotonic()
-            if not self._tlock.acquire(timeout=timeout_s):
-                self._count(A_LOCK_TIMEOUTS)
-                return False
+        if not self._arena_lock.acquire(self.lock_timeout_s if timeout_s is None else timeout_s):
+            self._count(A_LOCK_TIMEOUTS)
+            return False
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not _flock(self._fd, timeout_s - (time.monotonic() - start if start else 0.0)):
-                self._tlock.release()
-                self._count(A_LOCK_TIMEOUTS)
-                return False
-        try:
-            arena = self._arena
-            assert arena is not None
+            arena = self._live()
+            arena.pid = self._arena_lock.pid  # NOTE: the pid a dirty mark names; changes in a forked child
             w = arena.w
             if w[A_DIRTY] or w[A_PENDING_OFF]:
                 arena.recover()
-            if self._num_unflushed:
-                with self._unflushed_lock:
-                    for word, n in self._unflushed.items():
-                        w[word] += n
-                        self._unflushed[word] = 0
-                    self._num_unflushed = 0
+            while self._unflushed:  # NOTE: only the lock holder pops, so this never pops an empty deque
+                w[self._unflushed.popleft()] += 1
         except BaseException:
-            self._unlock()
+            self._arena_lock.release()
             raise
         return True
 
     def _unlock(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._tlock.release()
+        self._arena_lock.release()
 
     def _count(self, word: int) -> None:
         """Count an event that happened without the lock; added to the arena's counters at the next lock."""
-        with self._unflushed_lock:
-            self._unflushed[word] += 1
-            self._num_unflushed += 1
-
-
-def _flock(fd: int, timeout_s: float) -> bool:
-    """Exclusive flock on `fd` within `timeout_s` seconds."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        pass
-    # NOTE: flock has no timed wait; holds are short (an index update or one payload copy), so back off
-    # from 20 us to 1 ms between tries.
-    deadline, delay = time.monotonic() + timeout_s, 2e-5
-    while (left := deadline - time.monotonic()) > 0:
-        time.sleep(min(delay, left))
-        delay = min(2 * delay, 1e-3)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            continue
-    return False
+        self._unflushed.append(word)
 
 
 def _arena_path(name: str) -> Path:
