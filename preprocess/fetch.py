@@ -15,22 +15,19 @@ from __future__ import annotations
 import binascii
 import functools
 import http.client
-import io
 import ipaddress
-import os
 import re
-import select
 import socket
 import ssl
-import stat
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
-from urllib.parse import quote, unquote, unquote_to_bytes, urljoin, urlsplit
+from urllib.parse import quote, unquote_to_bytes, urljoin, urlsplit
 
-from preprocess.errors import FetchError, ForbiddenSource, MediaError, MediaTooLarge
+from preprocess.errors import FetchError, ForbiddenSource, MediaTooLarge
+from preprocess.http_conn import DeadlineSocket, IdleConnections, remaining
+from preprocess.local_media import check_local, local_path, read_local
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], Sequence[str]]
@@ -42,8 +39,6 @@ _REDIRECTS = (301, 302, 303, 307, 308)
 _READ_SIZE = 1 << 16
 _URL_SAFE = "!#$%&'()*+,/:;=?@[]~"  # reserved characters and '%': quote only non-ASCII and unsafe ones
 _MAX_URL_IN_MESSAGE = 200
-_MAX_IDLE = 32  # kept-alive connections per process, all hosts together; the least recently used go first
-_MAX_IDLE_S = 30.0
 # What a kept-alive connection the server has just closed looks like; a GET is safe to repeat.
 _STALE_ERRORS = (ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)  # incl. http.client.RemoteDisconnected
 
@@ -89,7 +84,7 @@ def fetch_media(source: str, policy: FetchPolicy, *, resolver: Resolver | None =
     if kind == "data":
         return decode_data_uri(source, policy.max_bytes)
     if kind == "file":
-        return _read_local(_local_path(source, policy), policy.max_bytes, source)
+        return read_local(local_path(source, policy), policy.max_bytes, source)
     return _fetch_http(source, policy, resolver or system_resolver)
 
 
@@ -104,7 +99,7 @@ def check_source(source: str, policy: FetchPolicy) -> None:
     if kind == "data":
         decode_data_uri(source, policy.max_bytes)
     elif kind == "file":
-        _check_local(_local_path(source, policy), policy.max_bytes, source)
+        check_local(local_path(source, policy), policy.max_bytes, source)
     else:
         _, host, port, _ = _split_url(source)
         if policy.allow_private:
@@ -221,7 +216,7 @@ def _fetch_http(url: str, policy: FetchPolicy, resolver: Resolver) -> bytes:
 
 def _request(target: Target, url: str, deadline: float, policy: FetchPolicy) -> bytes | str:
     """One GET on a validated target: the body, or the `Location` of a redirect."""
-    idle = _IDLE.take(target)
+    idle = _IDLE.take({(target.scheme, target.host, target.port, address) for address in target.addresses})
     if idle is not None:
         try:
             return _exchange(*idle, target, url, deadline, policy)
@@ -234,7 +229,7 @@ def _exchange(raw: socket.socket, address: str, target: Target, url: str, deadli
               policy: FetchPolicy) -> bytes | str:
     """One GET on the connected `raw`; keeps `raw` for reuse when the whole response was read."""
     conn = http.client.HTTPConnection(target.host, target.port)
-    conn.sock = _DeadlineSocket(raw, deadline)
+    conn.sock = DeadlineSocket(raw, deadline)
     can_reuse = False
     try:
         conn.request("GET", target.path, headers={"User-Agent": "mmenc-fetch", "Accept-Encoding": "identity"})
@@ -261,7 +256,7 @@ def _exchange(raw: socket.socket, address: str, target: Target, url: str, deadli
     finally:
         conn.close()
         if can_reuse:
-            _IDLE.put(target, address, raw)
+            _IDLE.put((target.scheme, target.host, target.port, address), raw)
         else:
             raw.close()
 
@@ -274,14 +269,14 @@ def _connect(target: Target, deadline: float) -> tuple[socket.socket, str]:
     error: OSError = OSError("no address")
     for address in target.addresses:
         try:
-            sock = socket.create_connection((address, target.port), timeout=_remaining(deadline))
+            sock = socket.create_connection((address, target.port), timeout=remaining(deadline))
         except OSError as exc:
             error = exc
             continue
         if target.scheme == "http":
             return sock, address
         try:  # NOTE: the handshake's recvs each get the time left, so a trickling handshake can overrun
-            sock.settimeout(_remaining(deadline))
+            sock.settimeout(remaining(deadline))
             return _tls_context().wrap_socket(sock, server_hostname=target.host), address
         except BaseException:
             sock.close()
@@ -289,78 +284,7 @@ def _connect(target: Target, deadline: float) -> tuple[socket.socket, str]:
     raise error
 
 
-class _DeadlineSocket(io.RawIOBase):
-    """What http.client needs of a socket, with every send/recv bounded by one overall deadline."""
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock, self._deadline = sock, deadline
-
-    def _arm(self) -> socket.socket:
-        self._sock.settimeout(_remaining(self._deadline))
-        return self._sock
-
-    def sendall(self, data: bytes) -> None:
-        self._arm().sendall(data)
-
-    def makefile(self, mode: str = "rb", *args: object, **kwargs: object) -> io.BufferedReader:
-        return io.BufferedReader(self)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        return self._arm().recv_into(buffer)
-
-    def close(self) -> None:
-        pass  # http.client "closes" when it hands the stream to the response; `_exchange` closes
-
-
-class _IdleConnections:
-    """Kept-alive sockets as (key, socket, idle since), oldest first; key = (scheme, host, port, address)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # NOTE: a socket is used by one thread at a time: it leaves the list
-        self._idle: list[tuple[tuple[str, str, int, str], socket.socket, float]] = []
-
-    def take(self, target: Target) -> tuple[socket.socket, str] | None:
-        """An open connection to one of `target.addresses` (validated for this hop), and its address."""
-        keys = {(target.scheme, target.host, target.port, address) for address in target.addresses}
-        while True:
-            with self._lock:
-                i = next((i for i in reversed(range(len(self._idle))) if self._idle[i][0] in keys), None)
-                if i is None:
-                    return None
-                key, sock, since = self._idle.pop(i)
-            if time.monotonic() - since < _MAX_IDLE_S and _is_quiet(sock):
-                return sock, key[3]
-            sock.close()
-
-    def put(self, target: Target, address: str, sock: socket.socket) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._idle.append(((target.scheme, target.host, target.port, address), sock, now))
-            num_old = max(len(self._idle) - _MAX_IDLE, sum(now - since >= _MAX_IDLE_S for *_, since in self._idle))
-            dropped, self._idle = self._idle[:num_old], self._idle[num_old:]
-        for _, old, _ in dropped:
-            old.close()
-
-    def clear(self) -> None:
-        with self._lock:
-            dropped, self._idle = self._idle, []
-        for _, sock, _ in dropped:
-            sock.close()
-
-
-def _is_quiet(sock: socket.socket) -> bool:
-    """Nothing to read, not even EOF: the server has neither closed the connection nor said anything."""
-    if isinstance(sock, ssl.SSLSocket) and sock.pending():
-        return False
-    poller = select.poll()
-    poller.register(sock, select.POLLIN)
-    return not poller.poll(0)
-
-
-_IDLE = _IdleConnections()
+_IDLE = IdleConnections()
 
 
 @functools.lru_cache(maxsize=1)
@@ -368,11 +292,6 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()  # shared per process; thread-safe for wrap_socket
 
 
-def _remaining(deadline: float) -> float:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise TimeoutError("deadline passed")
-    return remaining
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -422,55 +341,6 @@ def _check_addresses(host: str, addresses: Sequence[str]) -> None:
             raise ForbiddenSource(f"host {_short(host)!r} resolved to an unparsable address") from None
         if not is_public_address(ip):
             raise ForbiddenSource(f"host {_short(host)!r} resolves to non-public address {ip}")
-
-
-def _local_path(source: str, policy: FetchPolicy) -> str:
-    """The real path of a local source, required to lie inside `policy.allowed_local_dir`."""
-    if policy.allowed_local_dir is None:
-        raise ForbiddenSource("local files are not allowed (no allowed local media directory configured)")
-    path = source
-    if not source.startswith("/"):  # file: URL
-        parts = urlsplit(source)
-        if parts.netloc not in ("", "localhost"):
-            raise ForbiddenSource(f"file: URL with a remote host is not allowed: {_short(source)!r}")
-        path = unquote(parts.path)
-    if "\x00" in path or not path.startswith("/"):
-        raise FetchError(f"invalid local path {_short(source)!r}")
-    root = os.path.realpath(policy.allowed_local_dir)
-    real = os.path.realpath(path)
-    if os.path.commonpath([root, real]) != root:
-        raise ForbiddenSource(f"path {_short(source)!r} is outside the allowed local media directory")
-    return real
-
-
-def _check_local(path_or_fd: str | int, max_bytes: int, source: str) -> None:
-    try:
-        st = os.stat(path_or_fd)
-    except OSError:
-        raise FetchError(f"cannot read local file {_short(source)!r}: no such file") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise FetchError(f"cannot read local file {_short(source)!r}: not a regular file")
-    if st.st_size > max_bytes:
-        raise _too_large(max_bytes)
-
-
-def _read_local(path: str, max_bytes: int, source: str) -> bytes:
-    # O_NONBLOCK: opening a FIFO must not hang; O_NOFOLLOW: the resolved path must not become a link.
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:
-        raise FetchError(f"cannot read local file {_short(source)!r}: no such file") from None
-    try:
-        _check_local(fd, max_bytes, source)
-    except MediaError:
-        os.close(fd)
-        raise
-    with open(fd, "rb") as f:
-        data = f.read(max_bytes + 1)  # the file may have grown since fstat
-    if len(data) > max_bytes:
-        raise _too_large(max_bytes)
-    return data
 
 
 def _too_large(max_bytes: int) -> MediaTooLarge:
