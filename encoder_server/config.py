@@ -305,3 +305,61 @@ def _from_dict(cls: type, d: dict[str, Any]) -> Any:
         kwargs[f.name] = value
     return cls(**kwargs)
 
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """Shape of the Whisper-style audio encoder (field names follow transformers' `WhisperConfig`)."""
+
+    num_mel_bins: int = 80
+    d_model: int = 64
+    encoder_layers: int = 2
+    encoder_attention_heads: int = 4
+    encoder_ffn_dim: int = 128
+    max_source_positions: int = 1500
+    activation_function: str = "gelu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.num_mel_bins in (80, 128), f"num_mel_bins must be 80 or 128, got {self.num_mel_bins}")
+        _require(self.d_model > 0 and self.encoder_layers > 0 and self.encoder_ffn_dim > 0, "audio sizes must be > 0")
+        _require(self.d_model % self.encoder_attention_heads == 0, "d_model must be divisible by the head count")
+        _require(self.d_model % 2 == 0, "d_model must be even (sinusoidal positions)")
+        _require(self.max_source_positions > 0, "max_source_positions must be > 0")
+        _require(self.activation_function in ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"),
+                 f"unsupported activation_function {self.activation_function!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.encoder_attention_heads
+
+    @property
+    def num_frames(self) -> int:
+        """Mel frames per window the encoder takes (conv2 halves them): 3000 for Whisper."""
+        return 2 * self.max_source_positions
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> AudioConfig:
+        """Read a transformers `WhisperConfig` dict (full model or encoder-only save)."""
+        return cls(
+            num_mel_bins=d.get("num_mel_bins", 80), d_model=d["d_model"], encoder_layers=d["encoder_layers"],
+            encoder_attention_heads=d["encoder_attention_heads"], encoder_ffn_dim=d["encoder_ffn_dim"],
+            max_source_positions=d.get("max_source_positions", 1500),
+            activation_function=d.get("activation_function", "gelu"),
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The transformers `WhisperConfig` keyword arguments for this encoder shape."""
+        return dict(
+            num_mel_bins=self.num_mel_bins, d_model=self.d_model, encoder_layers=self.encoder_layers,
+            encoder_attention_heads=self.encoder_attention_heads, encoder_ffn_dim=self.encoder_ffn_dim,
+            max_source_positions=self.max_source_positions, activation_function=self.activation_function,
+        )
+
+
+AUDIO_PRESETS: dict[str, AudioConfig] = {
+    "tiny": AudioConfig(),
+    "whisper-large-v3": AudioConfig(
+        num_mel_bins=128, d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120,
+    ),
+}
