@@ -112,3 +112,13 @@ def test_presets_have_the_published_shapes() -> None:
     with torch.device("meta"):
         num_params = sum(p.numel() for p in VisionTransformer(big).parameters())
     assert abs(num_params - 676.6e6) < 0.1e6
+
+
+def test_load_rejects_weights_of_another_shape(tmp_path, models) -> None:
+    _, ref = models
+    ref.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = config["intermediate_size"] * 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="do not match the config"):
+        load_vision(str(tmp_path), torch.device("cpu"), torch.float32)

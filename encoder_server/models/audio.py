@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoder_server.config import AUDIO_PRESETS, AudioConfig
-from encoder_server.models.loader import _read_state_dict, init_random
+from encoder_server.models.loader import _read_state_dict, init_random, load_weights, weights_fingerprint
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -161,20 +161,7 @@ def load_audio(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedAud
         cfg = AudioConfig.from_hf_dict(json.loads(config_path.read_text()))
         model = AudioEncoder(cfg)
         weights = _encoder_weights(_read_state_dict(directory), directory)
-        try:
-            missing, unexpected = model.load_state_dict(weights, strict=False)
-        except RuntimeError as e:  # shape mismatches
-            raise ValueError(f"{directory}: weights do not match the config: {e}") from e
-        if missing or unexpected:
-            raise ValueError(f"{directory}: weights do not match the config: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr(cfg).encode())
-        for name in sorted(weights):
-            digest.update(name.encode())
-            tensor = weights[name].contiguous()
-            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().data)
-        fingerprint = digest.hexdigest()
+        load_weights(model, weights, directory)
+        fingerprint = weights_fingerprint(cfg, weights)
     model = model.to(device=device, dtype=dtype).prepare_for_inference()
     return LoadedAudio(model, cfg, fingerprint)

@@ -63,6 +63,28 @@ def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], directory: Path) -> None:
+    """Load `weights` strictly; any missing, unexpected or mis-shaped tensor is a ValueError naming it."""
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise ValueError(f"{directory}: weights do not match the config: {e}") from e
+    if missing or unexpected:
+        raise ValueError(f"{directory}: weights do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+
+
+def weights_fingerprint(cfg: object, weights: dict[str, torch.Tensor]) -> str:
+    """Identity of a model: its config and every weight's name, dtype, shape and bytes (for cache keys)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(repr(cfg).encode())
+    for name in sorted(weights):
+        tensor = weights[name].contiguous()
+        digest.update(f"{name}{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
 def _vision_weights(state: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
     for prefix in _PREFIXES:
         key = prefix + "patch_embed.proj.weight"
@@ -90,17 +112,7 @@ def load_vision(spec: str, device: torch.device, dtype: torch.dtype, attn_backen
         cfg = VisionConfig.from_hf_dict(json.loads(config_path.read_text()))
         model = VisionTransformer(cfg, attn_backend)
         weights = _vision_weights(_read_state_dict(directory), directory)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{directory}: weights do not match the config: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        digest = hashlib.blake2b(digest_size=16)
-        digest.update(repr(cfg).encode())
-        for name in sorted(weights):
-            digest.update(name.encode())
-            tensor = weights[name].contiguous()
-            digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().data)
-        fingerprint = digest.hexdigest()
+        load_weights(model, weights, directory)
+        fingerprint = weights_fingerprint(cfg, weights)
     model = model.to(device=device, dtype=dtype).prepare_for_inference()
     return LoadedVision(model, cfg, fingerprint)
