@@ -32,7 +32,7 @@ from preprocess.decode import decode_images, displayed_size, resolve_backend
 from preprocess.errors import MediaError
 from preprocess.fetch import FetchPolicy
 from preprocess.fetch_pool import FetchPool, FetchResult, FetchTask
-from preprocess.image import ImageBatch, preprocess_images, smart_resize
+from preprocess.image import ImageBatch, preprocess_images, smart_resize, to_device
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -82,11 +82,6 @@ class InFlight:
     lengths: list[int]  # output tokens per item
     started: float
     events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None  # start, end, copies done
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without making the host wait for work already queued on the device."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -294,8 +289,8 @@ class EncoderWorker:
             torch.cuda.current_stream().wait_event(prep.ready)
             prep.inputs.pixel_values.record_stream(torch.cuda.current_stream())
         lengths = [it.num_patches // self.model.cfg.merge_unit for it in prep.items]
-        counts = _to_device(torch.tensor(lengths), self.device)  # [N]
-        item_ids = _to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+        counts = to_device(torch.tensor(lengths), self.device)  # [N]
+        item_ids = to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
                               self.device)  # [T]
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
                   torch.cuda.Event()) if self.is_cuda else None

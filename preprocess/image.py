@@ -133,7 +133,7 @@ def preprocess_images(
     if not images:
         return ImageBatch(torch.empty(0, patch_dim, dtype=out_dtype, device=device),
                           torch.empty(0, 3, dtype=torch.int64))
-    images = [_to_device(image, device) for image in images]
+    images = [to_device(image, device) for image in images]
 
     # Resize: one call per (source shape, target shape).
     resized: dict[tuple[int, int], list[tuple[list[int], torch.Tensor]]] = {}
@@ -143,7 +143,7 @@ def preprocess_images(
         resized.setdefault(dst, []).append((idx, out))  # out: [n, 3, h, w] uint8
 
     # Normalize + patchify: one call per target shape.
-    scale, bias = _normalize_coeffs(cfg, device)  # [3, 1, 1] each
+    scale, bias = normalize_coeffs(cfg, device)  # [3, 1, 1] each
     patches_per_image: list[torch.Tensor] = [images[0]] * len(images)  # placeholders, all overwritten
     for parts in resized.values():
         idx = [i for part_idx, _ in parts for i in part_idx]
@@ -171,8 +171,8 @@ def _stack(images: list[torch.Tensor]) -> torch.Tensor:
     return images[0][None].contiguous() if len(images) == 1 else torch.stack(images)
 
 
-def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy uint8 pixels to the device; from the CPU to CUDA through pinned memory, non-blocking."""
+def to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device through pinned memory, non-blocking (the host never waits for queued device work)."""
     if image.device == device:
         return image
     if device.type == "cuda" and image.device.type == "cpu":
@@ -181,7 +181,7 @@ def _to_device(image: torch.Tensor, device: torch.device) -> torch.Tensor:
     return image.to(device)
 
 
-def _normalize_coeffs(cfg: PreprocessConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def normalize_coeffs(cfg: PreprocessConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, bias) with x * scale + bias == (x / 255 - mean) / std, computed in float64 then float32."""
     mean = torch.tensor(cfg.image_mean, dtype=torch.float64)
     std = torch.tensor(cfg.image_std, dtype=torch.float64)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torchvision.transforms.v2 import functional as tvF
 
-from preprocess.image import _normalize_coeffs, _to_device
+from preprocess.image import normalize_coeffs, to_device
 from preprocess.video_sampling import VideoSampling, frame_size
 
 if TYPE_CHECKING:
@@ -71,9 +71,9 @@ def preprocess_video(
     device = torch.device(device)
     num_frames, _, height, width = frames.shape
     h, w = frame_size(height, width, num_frames, sampling)
-    frames = _to_device(frames.contiguous(), device)
+    frames = to_device(frames.contiguous(), device)
     resized = tvF.resize(frames, [h, w], interpolation=tvF.InterpolationMode.BICUBIC, antialias=True)  # [T, 3, h, w]
-    scale, bias = _normalize_coeffs(cfg, device)  # [3, 1, 1] each
+    scale, bias = normalize_coeffs(cfg, device)  # [3, 1, 1] each
     normed = torch.addcmul(bias, resized, scale).to(out_dtype)  # [T, 3, h, w]
     pixel_values, grid_thw = patchify_video(normed, cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size)
     return VideoPatches(pixel_values, grid_thw)

@@ -17,7 +17,7 @@ from transformers import Qwen2VLVideoProcessor
 from encoder_server.config import PreprocessConfig
 from preprocess import video_decode
 from preprocess.errors import DecodeError, MediaError, MediaTooLarge
-from preprocess.image import _normalize_coeffs
+from preprocess.image import normalize_coeffs
 from preprocess.video import patchify_video, preprocess_video, video_num_tokens
 from preprocess.video_decode import decode_frames, plan_chunks, probe_video
 from preprocess.video_sampling import VideoSampling, frame_size, sample_indices, smart_nframes
@@ -248,7 +248,7 @@ def test_patchify_matches_transformers(hf_processor: Qwen2VLVideoProcessor, num_
     frames = torch.randint(0, 256, (num_frames, 3, height, width), dtype=torch.uint8, generator=gen)  # [T, 3, H, W]
     ref = hf_processor(videos=[frames], do_resize=False, return_tensors="pt")
     cfg = PreprocessConfig()
-    scale, bias = _normalize_coeffs(cfg, torch.device("cpu"))
+    scale, bias = normalize_coeffs(cfg, torch.device("cpu"))
     pixel_values, grid_thw = patchify_video(torch.addcmul(bias, frames, scale), 14, 2, 2)
     assert grid_thw.tolist() == ref["video_grid_thw"][0].tolist() == [-(-num_frames // 2), height // 14, width // 14]
     assert pixel_values.shape == ref["pixel_values_videos"].shape
