@@ -67,8 +67,26 @@ def test_repeated_media_hits_the_cache_with_identical_embeddings(fleet, media) -
                                atol=1e-6)
 
 
+def _urls_on_both_workers(fleet: ServerProcess, media: MediaServer) -> list[str]:
+    """Fresh media URLs whose route keys land on both workers of the fleet's ring (worker addresses are
+    random socket paths, so which URL lands where differs from run to run)."""
+    from cache.keys import route_key
+    from cache.ring import Ring
+
+    _, health = fleet.get("/health")
+    ring = Ring([w["address"] for w in health["workers"]])
+    chosen: dict[str, list[str]] = {}
+    for i in range(64):
+        media.add(f"/split{i}.jpg", jpeg(100 + 14 * (i % 5), 90, seed=300 + i))
+        url = media.url(f"/split{i}.jpg")
+        chosen.setdefault(ring.node_for(route_key(url=url)), []).append(url)
+        if len(chosen) == 2 and all(len(v) >= 3 for v in chosen.values()):
+            return [u for urls in chosen.values() for u in urls]
+    pytest.fail(f"64 URLs did not reach both workers: {chosen}")
+
+
 def test_same_media_goes_to_the_same_worker_and_requests_are_split(fleet, media) -> None:
-    urls = [media.url(p) for p in IMAGES]
+    urls = _urls_on_both_workers(fleet, media)
     before = _counters(fleet)
     status, body = _embed(fleet, urls)  # one request, items spread over both workers by route key
     assert status == 200 and [d["index"] for d in body["data"]] == list(range(len(urls)))
