@@ -56,6 +56,7 @@ class Item:
     timings_ms: dict[str, float] = field(default_factory=dict)
     route_key: str | None = None  # cache key known before fetching (uuid / URL / inline bytes)
     content_key: str | None = None  # cache key from the media bytes
+    has_uuid: bool = False  # the client named this item; its cache entry must exist before the answer leaves
 
     @property
     def num_patches(self) -> int:
@@ -155,8 +156,9 @@ class EncoderWorker:
             metrics.ITEMS.labels(spec.modality).inc()
             item = Item(identity, req.request_id, spec.index, req.pooling, spec.modality, now)
             blob = next(inline).bytes if spec.inline else None
+            item.has_uuid = spec.uuid is not None
             if self.cache is not None:
-                item.route_key = self.cache.route_key(spec.route_key, spec.uuid is not None)
+                item.route_key = self.cache.route_key(spec.route_key, item.has_uuid)
                 if self.publish_cached(item, self.cache.get_by_route(item.route_key)):
                     continue
             if not spec.source and not spec.inline:
@@ -323,12 +325,15 @@ class EncoderWorker:
         for i, it in enumerate(flight.items):
             it.timings_ms["encode"] = encode_s * 1e3
             start = time.perf_counter()
-            self.publish(it, pooled[i] if it.pooling == "mean" else per_item[i].float())
-            it.timings_ms["publish"] = (time.perf_counter() - start) * 1e3
             if self.cache is not None and it.content_key and per_item is not None:
                 t, h, w = it.grid
                 merge = self.model.cfg.spatial_merge_size
-                self.cache.put(it.route_key, it.content_key, per_item[i].view(t, h // merge, w // merge, -1))
+                # NOTE: a uuid item is written before its answer so that the client's next uuid-only request
+                # hits; other items are queued to the writer thread (a miss there only costs a re-fetch).
+                self.cache.put(it.route_key, it.content_key, per_item[i].view(t, h // merge, w // merge, -1),
+                               wait=it.has_uuid)
+            self.publish(it, pooled[i] if it.pooling == "mean" else per_item[i].float())
+            it.timings_ms["publish"] = (time.perf_counter() - start) * 1e3
             for stage, ms in it.timings_ms.items():
                 metrics.STAGE_SECONDS.labels(stage).observe(ms / 1e3)
 

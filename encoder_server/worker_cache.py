@@ -6,7 +6,8 @@ parameters that change the output:
 - content key: hash of the media bytes (computed by the fetch process);
 - route key (client uuid, else URL, else inline bytes): known before any download. It stores an alias
   (the content key's bytes), so a repeated URL or uuid skips the download as well as the forward.
-Writes go through a background thread so the encode loop never waits on a copy into the arena.
+Writes go through a background thread so the encode loop never waits on a copy into the arena, except for
+items named by a client uuid: those are written before their answer leaves (read-your-writes).
 """
 
 from __future__ import annotations
@@ -66,8 +67,12 @@ class WorkerCache:
         metrics.CACHE_LOOKUPS.labels(kind, "hit" if tensor is not None else "miss").inc()
         return (key, tensor) if tensor is not None else None
 
-    def put(self, route_key: str | None, key: str, embedding: torch.Tensor) -> None:
-        """Queue a write of `embedding` under `key` (+ an alias under `route_key`); dropped when backed up."""
+    def put(self, route_key: str | None, key: str, embedding: torch.Tensor, wait: bool = False) -> None:
+        """Write `embedding` under `key` (+ an alias under `route_key`): now when `wait`, else queued to the
+        writer thread and dropped when that is backed up."""
+        if wait:
+            self._write(route_key, key, embedding)
+            return
         try:
             self._writes.put_nowait((route_key, key, embedding))
         except queue.Full:
@@ -79,12 +84,14 @@ class WorkerCache:
 
     def _write_loop(self) -> None:
         while (job := self._writes.get()) is not None:
-            route, key, embedding = job
-            try:
-                if self.shm.put(key, embedding):
-                    self.alias(route, key)
-            except Exception:  # a cache must never take the worker down
-                log.exception("cache write failed")
+            self._write(*job)
+
+    def _write(self, route: str | None, key: str, embedding: torch.Tensor) -> None:
+        try:
+            if self.shm.put(key, embedding):
+                self.alias(route, key)
+        except Exception:  # a cache must never take the worker down
+            log.exception("cache write failed")
 
     def close(self) -> None:
         self._writes.put(None)
