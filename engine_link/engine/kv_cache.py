@@ -1,0 +1,85 @@
+"""KV storage of the two pools and the per-request slot tables that address it.
+
+`KVCache` owns one (K, V) tensor pair per layer: full-attention layers index the full pool
+(`num_full_slots` rows), SWA layers the SWA pool (`num_swa_slots` rows). Which slot is free is the
+allocators' business (`kv_pool.SlotAllocator`); which slot holds which position of a request is the
+request's `SlotTable`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_link.engine.config import EngineModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: EngineModelConfig, num_full_slots: int, num_swa_slots: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.num_full_slots, self.num_swa_slots = num_full_slots, num_swa_slots
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in range(cfg.num_hidden_layers):
+            rows = num_swa_slots if cfg.is_swa(layer) else num_full_slots
+            heads = cfg.num_kv_heads(layer)
+            k = torch.zeros(rows, heads, cfg.head_dim, device=device, dtype=dtype)  # [slots, Hkv, Dh]
+            v = torch.zeros(rows, heads, cfg.v_head_dim, device=device, dtype=dtype)  # [slots, Hkv, Dv]
+            self.layers.append((k, v))
+        self.swa_layers = frozenset(cfg.swa_layers)
+
+    def bytes_per_slot(self, swa: bool) -> int:
+        """Bytes one slot of the full (or SWA) pool takes across all layers of that kind (real tensor sizes)."""
+        total = 0
+        for i, (k, v) in enumerate(self.layers):
+            if (i in self.swa_layers) == swa:
+                total += (k[0].numel() * k.element_size()) + (v[0].numel() * v.element_size())
+        return total
+
+    def total_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+
+
+class SlotTable:
+    """Position -> slot of one request, for both pools. -1 marks a released (or never held) SWA slot.
+
+    Positions below `num_borrowed` came from the prefix cache: their slots belong to the tree, never freed here.
+    """
+
+    def __init__(self) -> None:
+        self.full = torch.empty(0, dtype=torch.int64)  # [num_positions]
+        self.swa = torch.empty(0, dtype=torch.int64)  # [num_positions]
+        self.num_borrowed = 0
+        self.swa_released_upto = 0  # SWA slots of positions < this are released (-1)
+
+    def __len__(self) -> int:
+        return self.full.numel()
+
+    def borrow(self, full: torch.Tensor, swa: torch.Tensor) -> None:
+        """Start from a prefix-cache match (slots owned by the tree)."""
+        assert len(self) == 0
+        self.full, self.swa = full.clone(), swa.clone()
+        self.num_borrowed = full.numel()
+        missing = (swa < 0).nonzero()
+        self.swa_released_upto = int(missing[-1]) + 1 if missing.numel() else 0
+
+    def append(self, full: torch.Tensor, swa: torch.Tensor) -> None:
+        self.full = torch.cat([self.full, full])
+        self.swa = torch.cat([self.swa, swa])
+
+    def release_swa_before(self, position: int) -> torch.Tensor:
+        """Drop SWA slots of positions < `position`; returns the ones this request owns (to free)."""
+        start = self.swa_released_upto
+        if position <= start:
+            return torch.empty(0, dtype=torch.int64)
+        released = self.swa[max(start, self.num_borrowed):position].clone()
+        self.swa[start:position] = -1
+        self.swa_released_upto = position
+        return released[released >= 0]
+
+    def owned(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full, swa) slots this request owns (not borrowed, not released): what a preemption frees."""
+        full = self.full[self.num_borrowed:]
+        swa = self.swa[self.num_borrowed:]
+        return full, swa[swa >= 0]
+
+    def clear(self) -> None:
+        self.__init__()
