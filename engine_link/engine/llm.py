@@ -1,0 +1,182 @@
+"""Offline engine API (nano-vllm / vLLM style).
+
+    llm = LLM("tiny", max_prefill_tokens=256)
+    outs = llm.generate([[1, 2, 3], Prompt([5, 0, 0, 6], embeds=[(1, image_embeds)])], SamplingParams(max_tokens=8))
+    outs[0].token_ids
+
+Streaming: `add_request(...)` then `step()` until `has_unfinished()` is False; each step returns the new
+tokens per request (`StepOutput`). `abort(request_id)` between steps. The loop is the algorithm:
+`batch = scheduler.schedule(); tokens = runner.run(batch); scheduler.postprocess(batch, tokens)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine_link.engine.config import EngineConfig
+from engine_link.engine.kv_cache import KVCache
+from engine_link.engine.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
+from engine_link.engine.runner import ModelRunner
+from engine_link.engine.sampling import SamplingParams
+from engine_link.engine.scheduler import Scheduler
+from engine_link.engine.sequence import EmbedSegment, Sequence, Status
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids with optional embedding runs: `embeds[i] = (start, tensor [n, hidden])` replaces the token
+    embeddings of positions start..start+n-1 (the ids there are placeholders). `embed_keys[i]`, optional,
+    identifies the media of run i for the prefix cache (default: a hash of the tensor's bytes)."""
+
+    token_ids: list[int]
+    embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    embed_keys: list[int | bytes | str] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int  # prompt tokens reused from the prefix cache (last admission)
+    num_preemptions: int
+    text: str | None = None
+    logits: torch.Tensor | None = None  # [num_generated, V] float32 when SamplingParams.return_logits
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+class LLM:
+    """Args:
+        model: a preset name ("tiny", "mid") or a transformers `save_pretrained` directory.
+        **overrides: `EngineConfig` fields (num_full_slots, num_swa_slots, max_num_seqs, max_prefill_tokens,
+            enable_prefix_cache, policy, device, dtype, seed, ...).
+    """
+
+    def __init__(self, model: str = "tiny", **overrides: Any) -> None:
+        self.config = EngineConfig().with_overrides(**overrides)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.model = load_model(model, self.device, self.dtype)
+        self.model_config = self.model.cfg
+        self.config.check_model(self.model_config)
+        self.kv = KVCache(self.model_config, self.config.num_full_slots, self.config.num_swa_slots, self.device,
+                          self.dtype)
+        self.scheduler = Scheduler(self.model_config, self.config)
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.tokenizer = load_tokenizer(model)
+        self._generator = torch.Generator(self.device).manual_seed(self.config.seed)
+        self._requests: dict[str, Sequence] = {}
+
+    # ------------------------------------------------------------------------------------------- requests
+    def add_request(self, prompt: Seq[int] | Prompt, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request; returns its id.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, a bad embedding run, or a prompt plus
+                max_tokens that the full KV pool (or the position limit) cannot hold.
+        """
+        params = params or SamplingParams()
+        prompt = prompt if isinstance(prompt, Prompt) else Prompt(list(prompt))
+        token_ids = [int(t) for t in prompt.token_ids]
+        cfg = self.model_config
+        if not token_ids:
+            raise ValueError("empty prompt: need at least one token")
+        bad = [t for t in token_ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} outside the vocabulary [0, {cfg.vocab_size})")
+        capacity = min(self.config.num_full_slots, cfg.max_position_embeddings)
+        if len(token_ids) + params.max_tokens > capacity:
+            raise ValueError(f"prompt of {len(token_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                             f"KV capacity of {capacity} tokens (num_full_slots / max_position_embeddings)")
+        segments = self._segments(prompt, len(token_ids))
+        seq = Sequence(token_ids, params, segments, key_offset=cfg.vocab_size)
+        if request_id is not None:
+            if request_id in self._requests:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            seq.request_id = request_id
+        if not params.is_greedy:
+            seq.generator = (torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None
+                             else self._generator)
+        self._requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def _segments(self, prompt: Prompt, num_tokens: int) -> list[EmbedSegment]:
+        keys = prompt.embed_keys if prompt.embed_keys is not None else [None] * len(prompt.embeds)
+        if len(keys) != len(prompt.embeds):
+            raise ValueError("embed_keys needs one key per embedding run")
+        segments, end = [], 0
+        for (start, values), key in sorted(zip(prompt.embeds, keys, strict=True), key=lambda item: item[0][0]):
+            if values.dim() != 2 or values.shape[1] != self.model_config.hidden_size:
+                raise ValueError(f"embedding run at {start}: shape {tuple(values.shape)}, expected "
+                                 f"[n, {self.model_config.hidden_size}]")
+            if start < end or start + values.shape[0] > num_tokens:
+                raise ValueError(f"embedding run at {start} (+{values.shape[0]}) overlaps another or the end")
+            segments.append(EmbedSegment.of(start, values.to(self.device), key))
+            end = start + values.shape[0]
+        return segments
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now (its KV goes to the prefix cache); False if it is unknown or already finished."""
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------------------------------- loop
+    def step(self) -> list[StepOutput]:
+        """One forward: new tokens of every request that got one (and requests aborted since the last step)."""
+        batch = self.scheduler.schedule()
+        tokens = self.runner.run(batch)
+        updated = self.scheduler.postprocess(batch, tokens)
+        return [StepOutput(s.request_id, [s.output[-1]], s.status is Status.FINISHED, s.finish_reason)
+                for s in updated]
+
+    def stream(self, prompts: Seq[Seq[int] | Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+               ) -> Iterator[StepOutput]:
+        """Queue `prompts` and yield their tokens as they are generated (request ids: `StepOutput.request_id`)."""
+        for prompt, p in zip(prompts, self._params(params, len(prompts)), strict=True):
+            self.add_request(prompt, p)
+        while self.has_unfinished():
+            yield from self.step()
+
+    def generate(self, prompts: Seq[Seq[int] | Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run `prompts` to completion; outputs in prompt order."""
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, self._params(params, len(prompts)),
+                                                                 strict=True)]
+        while self.has_unfinished():
+            self.step()
+        return [self.output(i) for i in ids]
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The request's output so far; a finished request is forgotten after this call."""
+        seq = self._requests[request_id]
+        if seq.status is Status.FINISHED:
+            del self._requests[request_id]
+        text = self.tokenizer.decode(seq.output) if self.tokenizer is not None else None
+        logits = torch.stack(seq.logits) if seq.logits else None
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.output), seq.finish_reason, seq.num_cached,
+                             seq.num_preemptions, text, logits)
+
+    @staticmethod
+    def _params(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        return list(params)

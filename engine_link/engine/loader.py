@@ -1,0 +1,93 @@
+"""Build the engine's model from a preset (random, seeded) or a transformers `save_pretrained` directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine_link.engine.config import MODEL_PRESETS, EngineModelConfig
+from engine_link.engine.model import MiMoV2FlashForCausalLM, init_random
+
+_IGNORED_PREFIXES = ("model.mtp.",)  # multi-token-prediction heads in the released checkpoint
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return {k: v for k, v in state.items() if not k.startswith(_IGNORED_PREFIXES)}
+
+
+def load_state(model: MiMoV2FlashForCausalLM, state: dict[str, torch.Tensor], source: str) -> None:
+    """Strict load: a missing, unexpected or mis-shaped tensor is a ValueError naming it."""
+    if model.cfg.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    expected = model.state_dict()
+    if model.cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    if missing or unexpected or wrong:
+        shapes = [f"{k}: {tuple(state[k].shape)} != {tuple(expected[k].shape)}" for k in wrong[:5]]
+        raise ValueError(f"{source}: weights do not match the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}, wrong shape {shapes}")
+    with torch.no_grad():
+        for name, tensor in expected.items():
+            tensor.copy_(state[name])
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> MiMoV2FlashForCausalLM:
+    """`spec`: a preset name (MODEL_PRESETS) or a directory with config.json and *.safetensors.
+
+    Raises:
+        ValueError: unknown preset, unreadable directory, or weights that do not fit the config.
+    """
+    if spec in MODEL_PRESETS:
+        cfg = MODEL_PRESETS[spec]
+        with torch.device("cpu"):
+            model = MiMoV2FlashForCausalLM(cfg)
+        init_random(model, cfg.seed)
+    else:
+        directory = Path(spec)
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"{spec!r} is neither a preset {sorted(MODEL_PRESETS)} nor a directory with config.json")
+        cfg = EngineModelConfig.from_hf_dict(json.loads(config_path.read_text()))
+        model = MiMoV2FlashForCausalLM(cfg)
+        load_state(model, read_safetensors(directory), str(directory))
+    return model.prepare(device, dtype)
+
+
+def load_tokenizer(spec: str):  # noqa: ANN201 - a `tokenizers.Tokenizer` or None
+    """The directory's tokenizer.json as a `tokenizers.Tokenizer`, or None (presets, or no tokenizer file)."""
+    path = Path(spec) / "tokenizer.json"
+    if spec in MODEL_PRESETS or not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    return Tokenizer.from_file(str(path))

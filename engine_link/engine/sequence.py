@@ -1,0 +1,105 @@
+"""One request's runtime state: tokens, progress, slot tables, prefix-cache lock, sampler state."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_link.engine.kv_cache import SlotTable
+from engine_link.engine.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class EmbedSegment:
+    """Embeddings that replace the token embeddings of positions start..start+n-1 of a prompt."""
+
+    start: int
+    values: torch.Tensor  # [n, hidden]
+    content_key: int  # identity of the media (a hash); equal keys must mean equal embeddings
+
+    @classmethod
+    def of(cls, start: int, values: torch.Tensor, content_key: int | bytes | str | None = None) -> EmbedSegment:
+        """`content_key` defaults to a hash of the values' bytes; pass the media's cache key to skip hashing."""
+        if content_key is None:
+            content_key = values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+        if not isinstance(content_key, int):
+            data = content_key.encode() if isinstance(content_key, str) else content_key
+            content_key = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+        return cls(start, values, content_key)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.values.shape[0]
+
+    def key_ids(self, offset: int) -> list[int]:
+        """Prefix-cache key ids of this run: a pseudo id >= `offset` (out of vocab) from the content key, so
+        equal media share a prefix and different media never do."""
+        return [offset + self.content_key] * self.values.shape[0]
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    params: SamplingParams
+    embeds: list[EmbedSegment] = field(default_factory=list)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.monotonic)
+    output: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_computed: int = 0  # positions whose KV is in the pools
+    num_cached: int = 0  # positions reused from the prefix cache at the last admission
+    slots: SlotTable = field(default_factory=SlotTable)
+    radix_node: object | None = None  # locked prefix-cache path while running
+    use_prefix_cache: bool = True
+    key_offset: int = 0  # vocab size: start of the pseudo ids of embedding runs
+    generator: torch.Generator | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_token_at: float | None = None
+    steps_since_release: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def num_pending(self) -> int:
+        """Positions still to compute before the next token can be sampled."""
+        return len(self) - self.num_computed
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_pending > 1
+
+    def key_tokens(self) -> list[int]:
+        """Prefix-cache key: the tokens, with each embedding run replaced by its content-hash pseudo ids."""
+        tokens = self.tokens
+        for seg in self.embeds:
+            tokens[seg.start:seg.end] = seg.key_ids(self.key_offset)
+        return tokens
+
+    def embeds_in(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset from `start`, values) of embedding rows that fall in positions start..end-1."""
+        out = []
+        for seg in self.embeds:
+            lo, hi = max(start, seg.start), min(end, seg.end)
+            if lo < hi:
+                out.append((lo - start, seg.values[lo - seg.start:hi - seg.start]))
+        return out
