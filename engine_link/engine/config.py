@@ -157,7 +157,8 @@ class EngineModelConfig:
             "rms_norm_eps": self.rms_norm_eps, "hidden_act": self.hidden_act,
             "tie_word_embeddings": self.tie_word_embeddings, "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id, "pad_token_id": self.pad_token_id,
-            "eos_token_id": list(self.eos_token_id) if len(self.eos_token_id) != 1 else self.eos_token_id[0],
+            "eos_token_id": (None if not self.eos_token_id else
+                             self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)),
             "initializer_range": self.initializer_range,
         }
 
