@@ -20,6 +20,11 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _unless_default(values: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...] | None:
+    """None when `values` is the default pattern, so configs compare equal however they were written."""
+    return None if not values or tuple(values) == default else tuple(values)
+
+
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
     """Full attention on layer 0 and every 6th layer (5, 11, ...), sliding window elsewhere (transformers' default)."""
     return tuple(FULL if (i == 0 or (i + 1) % 6 == 0) else SWA for i in range(num_layers))
@@ -186,8 +191,8 @@ class EngineModelConfig:
             moe_intermediate_size=d.get("moe_intermediate_size", 2048), num_hidden_layers=num_layers,
             num_attention_heads=d.get("num_attention_heads", 64), num_key_value_heads=d.get("num_key_value_heads", 4),
             head_dim=d.get("head_dim", 192), v_head_dim=d.get("v_head_dim", 128), sliding_window=window,
-            layer_types=tuple(d.get("layer_types") or default_layer_types(num_layers)),
-            mlp_layer_types=tuple(d.get("mlp_layer_types") or ("dense",) + ("sparse",) * (num_layers - 1)),
+            layer_types=_unless_default(d.get("layer_types"), default_layer_types(num_layers)),
+            mlp_layer_types=_unless_default(d.get("mlp_layer_types"), ("dense",) + ("sparse",) * (num_layers - 1)),
             n_routed_experts=d.get("n_routed_experts", d.get("num_local_experts", 256)),
             num_experts_per_tok=d.get("num_experts_per_tok", 8), n_group=d.get("n_group", 1),
             topk_group=d.get("topk_group", 1), norm_topk_prob=d.get("norm_topk_prob", True),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -11,6 +13,7 @@ from engine_link.engine.config import MODEL_PRESETS, EngineModelConfig
 from engine_link.engine.model import MiMoV2FlashForCausalLM, init_random
 
 _IGNORED_PREFIXES = ("model.mtp.",)  # multi-token-prediction heads in the released checkpoint
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -38,6 +41,31 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(f)))
     return {k: v for k, v in state.items() if not k.startswith(_IGNORED_PREFIXES)}
+
+
+def checkpoint_to_model_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint layout (what `save_pretrained` writes and the hub holds) -> our module layout.
+
+    Per-expert `experts.{e}.{gate,up,down}_proj.weight` become fused `experts.gate_up_proj [E, 2I, D]`
+    (gate rows first) and `experts.down_proj [E, D, I]`; `self_attn.attention_sink_bias` becomes
+    `self_attn.sinks`. Names already in our layout pass through.
+    """
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    for name, tensor in state.items():
+        m = _EXPERT.match(name)
+        if m:
+            experts[m[1]][m[3]][int(m[2])] = tensor
+        else:
+            out[name.replace("self_attn.attention_sink_bias", "self_attn.sinks")] = tensor
+    for prefix, parts in experts.items():
+        num = 1 + max(max(p) for p in parts.values())
+        if any(sorted(parts.get(k, {})) != list(range(num)) for k in ("gate_proj", "up_proj", "down_proj")):
+            raise ValueError(f"{prefix}: incomplete expert weights")
+        stack = {k: torch.stack([parts[k][e] for e in range(num)]) for k in parts}  # [E, ., .]
+        out[f"{prefix}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)  # [E, 2I, D]
+        out[f"{prefix}.down_proj"] = stack["down_proj"]  # [E, D, I]
+    return out
 
 
 def load_state(model: MiMoV2FlashForCausalLM, state: dict[str, torch.Tensor], source: str) -> None:
@@ -77,7 +105,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> MiMoV2Fla
             raise ValueError(f"{spec!r} is neither a preset {sorted(MODEL_PRESETS)} nor a directory with config.json")
         cfg = EngineModelConfig.from_hf_dict(json.loads(config_path.read_text()))
         model = MiMoV2FlashForCausalLM(cfg)
-        load_state(model, read_safetensors(directory), str(directory))
+        load_state(model, checkpoint_to_model_names(read_safetensors(directory)), str(directory))
     return model.prepare(device, dtype)
 
 

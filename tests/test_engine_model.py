@@ -1,0 +1,113 @@
+"""Engine model plumbing: config <-> transformers config, save_pretrained -> our loader, inputs_embeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_link.engine import LLM, MODEL_PRESETS, EngineModelConfig, Prompt, SamplingParams
+from engine_link.engine.config import default_layer_types
+from engine_link.engine.loader import load_model
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = MODEL_PRESETS["tiny"]
+
+
+def hf_model(state: dict[str, torch.Tensor] | None = None):
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    hf_cfg = MiMoV2FlashConfig(**CFG.to_hf_dict())
+    hf_cfg._attn_implementation = "eager"
+    model = MiMoV2FlashForCausalLM(hf_cfg)
+    if state is not None:
+        model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def test_layer_pattern_and_config_round_trip() -> None:
+    from transformers import MiMoV2FlashConfig
+
+    assert default_layer_types(12).count("full_attention") == 3  # layers 0, 5, 11
+    assert CFG.full_layers == (0, 5) and CFG.mlp_types[0] == "dense" and CFG.mlp_types[1] == "sparse"
+    for cfg in MODEL_PRESETS.values():
+        hf = MiMoV2FlashConfig(**cfg.to_hf_dict())
+        assert EngineModelConfig.from_hf_dict(hf.to_dict()) == cfg
+    assert EngineModelConfig.from_hf_dict({**CFG.to_hf_dict(), "sliding_window_size": 127}).sliding_window == 128
+    with pytest.raises(ValueError, match="rope_type"):
+        yarn = {"full_attention": {"rope_type": "yarn"}}
+        EngineModelConfig.from_hf_dict({**CFG.to_hf_dict(), "rope_parameters": yarn})
+    with pytest.raises(ValueError, match="kv heads"):
+        EngineModelConfig(num_attention_heads=4, num_key_value_heads=4)
+
+
+def test_kv_bytes_hybrid_vs_all_full() -> None:
+    mid = MODEL_PRESETS["mid"]
+    ratio = mid.kv_bytes(131072) / mid.kv_bytes(131072, all_full=True)
+    full_fraction = sum(mid.kv_elems_per_token(i) for i in mid.full_layers) / sum(
+        mid.kv_elems_per_token(i) for i in range(mid.num_hidden_layers))
+    assert abs(ratio - full_fraction) < 0.01  # at long context only the full layers grow
+
+
+def test_save_pretrained_loads_into_ours(tmp_path) -> None:
+    torch.manual_seed(3)
+    ref = hf_model()
+    with torch.no_grad():  # transformers initializes these to 0 / constants: make them matter
+        for name, p in ref.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_()
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(std=0.1)
+    ref.save_pretrained(tmp_path)
+    ours = load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+    assert ours.cfg == CFG.__class__.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
+    expected = ref.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+    out = LLM(str(tmp_path)).generate([prompt], SamplingParams(temperature=0, max_tokens=4, return_logits=True))[0]
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
+    assert (out.logits - logits).abs().max().item() < 1e-4
+    assert logits.argmax(-1).tolist() == out.token_ids
+
+
+def test_loader_rejects_mismatched_weights(tmp_path) -> None:
+    ref = hf_model()
+    ref.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 48}))
+    with pytest.raises(ValueError, match="wrong shape"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 7,
+                                                      "layer_types": config["layer_types"][:7],
+                                                      "mlp_layer_types": config["mlp_layer_types"][:7]}))
+    with pytest.raises(ValueError, match="unexpected"):
+        load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_model(str(tmp_path / "nope"), torch.device("cpu"), torch.float32)
+
+
+def test_inputs_embeds_injection_matches_transformers() -> None:
+    llm = LLM("tiny", max_prefill_tokens=6, num_swa_slots=64)
+    ref = hf_model(llm.model.state_dict())
+    gen = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, CFG.vocab_size, (20,), generator=gen).tolist()
+    image = torch.randn(5, CFG.hidden_size, generator=gen)
+    audio = torch.randn(3, CFG.hidden_size, generator=gen)
+    prompt = Prompt(tokens, embeds=[(4, image), (13, audio)])  # runs straddle the 6-token chunks
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, return_logits=True))[0]
+    with torch.no_grad():
+        embeds = ref.model.embed_tokens(torch.tensor([tokens + out.token_ids[:-1]]))
+        embeds[0, 4:9], embeds[0, 13:16] = image, audio
+        logits = ref(inputs_embeds=embeds).logits[0, len(tokens) - 1:]
+    assert (out.logits - logits).abs().max().item() < 1e-4
+    assert logits.argmax(-1).tolist() == out.token_ids
+    # the prefix cache keys embedding runs by content: other media at the same placeholders is a miss
+    other = Prompt(tokens + out.token_ids + [1, 2], embeds=[(4, image + 1), (13, audio)])
+    same = Prompt(tokens + out.token_ids + [1, 2], embeds=[(4, image), (13, audio)])
+    assert llm.generate([other], SamplingParams(temperature=0, max_tokens=1))[0].num_cached_tokens < 4
+    assert llm.generate([same], SamplingParams(temperature=0, max_tokens=1))[0].num_cached_tokens == 24
