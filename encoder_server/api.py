@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import binascii
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,8 @@ import numpy as np
 
 from cache.keys import route_key
 from encoder_server import messages as m
+from encoder_server.config import PreprocessConfig
+from encoder_server.video_options import parse_video_options
 from encoder_server.worker_client import ItemOutput
 from preprocess.errors import MediaError
 from preprocess.fetch import FetchPolicy, check_source, decode_data_uri
@@ -41,43 +44,86 @@ class EmbeddingsRequest:
     model: str | None
 
 
-def _item_source(part: Any, param: str) -> tuple[str, str, str | None]:
-    """(modality, source, uuid) of one input entry: a string, or an `image_url` content part.
+@dataclass(frozen=True)
+class _Part:
+    modality: str
+    source: str  # URL / local path / "data:..." / "" (uuid only, or inline audio)
+    uuid: str | None = None
+    options: dict[str, float | int] | None = None
+    inline: bytes | None = None  # `input_audio` data
 
-    A part may carry a client `uuid` naming its media; with a uuid the url may be omitted (source "")
-    when the client expects the embedding to be cached.
+
+_PART_FIELDS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+AUDIO_FORMATS = ("wav", "mp3", "flac")
+
+
+def _item_part(part: Any, param: str, policy: FetchPolicy, prep: PreprocessConfig) -> _Part:
+    """One input entry: a URL string (an image) or a content part `image_url` / `video_url` / `audio_url` /
+    `input_audio`, with an optional client `uuid`. With a uuid the media may be omitted (source "") when the
+    client expects its embedding to be cached. Video parts may carry qwen-vl-utils sampling options
+    (`fps`, `nframes`, `video_start`, `video_end`, `min_pixels`, `max_pixels`, ...) in the part or its
+    `video_url` object.
     """
     if isinstance(part, str):
-        return "image", part, None
-    if isinstance(part, dict):
-        kind = part.get("type", "image_url")
-        if kind != "image_url":
-            raise ApiError(400, f"{param}: content part type {kind!r} is not supported (use 'image_url')",
-                           param=param, code="unsupported_content")
-        uuid = part.get("uuid")
-        if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
-            raise ApiError(400, f"{param}: uuid must be a string of 1..{MAX_UUID_CHARS} characters", param=param)
-        url = part.get("image_url")
-        if isinstance(url, dict):
-            url = url.get("url")
-        if isinstance(url, str):
-            return "image", url, uuid
-        if url is None and uuid is not None:
-            return "image", "", uuid
-        raise ApiError(400, f"{param}: image_url needs a 'url' string (or a uuid of cached media)", param=param)
+        return _Part("image", part)
     if isinstance(part, int | list):
-        raise ApiError(400, f"{param}: token-id input is not supported; this model embeds images",
+        raise ApiError(400, f"{param}: token-id input is not supported; this model embeds images, video and audio",
                        param=param, code="unsupported_content")
-    raise ApiError(400, f"{param}: expected a URL string or an image_url content part, got {type(part).__name__}",
-                   param=param)
+    if not isinstance(part, dict):
+        raise ApiError(400, f"{param}: expected a URL string or a content part, got {type(part).__name__}",
+                       param=param)
+    kind = part.get("type", "image_url")
+    if kind not in (*_PART_FIELDS, "input_audio"):
+        raise ApiError(400, f"{param}: content part type {kind!r} is not supported (use one of "
+                       f"{sorted((*_PART_FIELDS, 'input_audio'))})", param=param, code="unsupported_content")
+    uuid = part.get("uuid")
+    if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
+        raise ApiError(400, f"{param}: uuid must be a string of 1..{MAX_UUID_CHARS} characters", param=param)
+    if kind == "input_audio":
+        return _Part("audio", "", uuid, inline=_input_audio(part.get("input_audio"), param, policy))
+    modality, inner = _PART_FIELDS[kind], part.get(kind)
+    url = inner.get("url") if isinstance(inner, dict) else inner
+    options = None
+    if modality == "video":
+        raw = {**part, **inner} if isinstance(inner, dict) else part
+        try:
+            options = parse_video_options(raw, prep)
+        except ValueError as e:
+            raise ApiError(400, f"{param}: {e}", param=param, code="bad_video_options") from None
+    if isinstance(url, str):
+        return _Part(modality, url, uuid, options)
+    if url is None and uuid is not None:
+        return _Part(modality, "", uuid, options)
+    raise ApiError(400, f"{param}: {kind} needs a 'url' string (or a uuid of cached media)", param=param)
 
 
-def parse_embeddings_request(body: Any, policy: FetchPolicy, max_items: int) -> EmbeddingsRequest:
-    """Validate the JSON body; decode `data:` URIs; check every source without touching the network.
+def _input_audio(value: Any, param: str, policy: FetchPolicy) -> bytes:
+    """The bytes of an OpenAI `input_audio` object: `{"data": <base64>, "format": "wav" | "mp3" | "flac"}`."""
+    if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+        raise ApiError(400, f"{param}: input_audio needs {{'data': <base64>, 'format': ...}}", param=param)
+    fmt = value.get("format")
+    if fmt not in AUDIO_FORMATS:
+        raise ApiError(400, f"{param}: input_audio format must be one of {AUDIO_FORMATS}, got {fmt!r}", param=param,
+                       code="unsupported_media_type")
+    data = value["data"]
+    if len(data) > policy.max_bytes * 4 // 3 + 4:
+        raise ApiError(413, f"{param}: input_audio is above the limit of {policy.max_bytes} bytes", param=param,
+                       code="media_too_large")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (ValueError, binascii.Error):
+        raise ApiError(400, f"{param}: input_audio data is not valid base64", param=param) from None
+
+
+def parse_embeddings_request(body: Any, policy: FetchPolicy, max_items: int,
+                             prep: PreprocessConfig | None = None) -> EmbeddingsRequest:
+    """Validate the JSON body; decode `data:` URIs and `input_audio`; check every source without touching
+    the network. `prep` holds the limits video options are checked against (default: the defaults).
 
     Raises:
         ApiError: 4xx naming the offending field or `input[i]`.
     """
+    prep = prep or PreprocessConfig()
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     if "input" not in body:
@@ -103,17 +149,19 @@ def parse_embeddings_request(body: Any, policy: FetchPolicy, max_items: int) -> 
     inline: dict[int, bytes] = {}
     for i, entry in enumerate(entries):
         param = f"input[{i}]"
-        modality, source, uuid = _item_source(entry, param)
+        part = _item_part(entry, param, policy, prep)
         try:
-            if source:
-                check_source(source, policy)
-            if source.startswith("data:"):
-                inline[i] = decode_data_uri(source, policy.max_bytes)
-                route = route_key(uuid=uuid, inline=inline[i])
-                items.append(m.EncodeItem(i, modality, "data:", inline=True, route_key=route, uuid=uuid))
+            if part.source:
+                check_source(part.source, policy)
+            if part.inline is not None or part.source.startswith("data:"):
+                inline[i] = part.inline if part.inline is not None else decode_data_uri(part.source, policy.max_bytes)
+                route = route_key(uuid=part.uuid, inline=inline[i])
+                items.append(m.EncodeItem(i, part.modality, "data:", inline=True, route_key=route, uuid=part.uuid,
+                                          options=part.options))
             else:
-                route = route_key(uuid=uuid, url=source or None)
-                items.append(m.EncodeItem(i, modality, source, route_key=route, uuid=uuid))
+                route = route_key(uuid=part.uuid, url=part.source or None)
+                items.append(m.EncodeItem(i, part.modality, part.source, route_key=route, uuid=part.uuid,
+                                          options=part.options))
         except MediaError as e:
             raise ApiError(e.status, f"{param}: {e.message}", param=param, code=e.code) from None
     return EmbeddingsRequest(items, inline, encoding_format, pooling, model)

@@ -128,9 +128,29 @@ class PreprocessConfig:
     decode_backend: str = "auto"
     max_source_pixels: int = 64_000_000
     max_aspect_ratio: float = 200.0
+    # Video: qwen-vl-utils' defaults; a request may ask for less (fps, nframes, range, pixels), never more.
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_min_pixels: int = 128 * 28 * 28  # per frame
+    video_max_pixels: int = 768 * 28 * 28  # per frame
+    video_total_pixels: int = int(128000 * 28 * 28 * 0.9)  # all frames together
+    video_decode_threads: int = 8  # keyframe-aligned chunks decoded in parallel per video
+    max_video_duration_s: float = 3 * 3600.0
+    max_video_decoded_bytes: int = 4 << 30  # the sampled frames at source size (T * H * W * 3)
+    video_decode_timeout_s: float = 120.0
+    max_audio_duration_s: float = 3600.0
 
     def __post_init__(self) -> None:
         _require(0 < self.min_pixels <= self.max_pixels, "need 0 < min_pixels <= max_pixels")
+        _require(self.video_fps > 0 and 0 < self.video_min_frames <= self.video_max_frames,
+                 "need video_fps > 0 and 0 < video_min_frames <= video_max_frames")
+        _require(0 < self.video_min_pixels <= self.video_max_pixels and self.video_total_pixels > 0,
+                 "need 0 < video_min_pixels <= video_max_pixels and video_total_pixels > 0")
+        _require(self.video_decode_threads > 0, "video_decode_threads must be > 0")
+        _require(self.max_video_duration_s > 0 and self.max_video_decoded_bytes > 0
+                 and self.video_decode_timeout_s > 0 and self.max_audio_duration_s > 0,
+                 "video/audio limits must be > 0")
         _require(self.max_source_pixels > 0, "max_source_pixels must be > 0")
         _require(self.decode_backend in ("auto", "pil", "nvjpeg", "dali"),
                  f"decode_backend must be auto|pil|nvjpeg|dali, got {self.decode_backend!r}")
@@ -168,6 +188,7 @@ class WorkerConfig:
     """One encoder worker: model, device and batching limits."""
 
     vision_model: str = "tiny"
+    audio_model: str = "tiny"  # Whisper-style encoder: a preset or a local directory; "none" turns audio off
     device: str = "auto"
     dtype: str = "auto"
     max_batch_tokens: int = 32768
@@ -187,6 +208,9 @@ class WorkerConfig:
         is_preset = self.vision_model in VISION_PRESETS
         _require(is_preset or Path(self.vision_model).is_dir(),
                  f"vision_model {self.vision_model!r} is neither a preset {sorted(VISION_PRESETS)} "
+                 "nor a local directory")
+        _require(self.audio_model in ("none", *AUDIO_PRESETS) or Path(self.audio_model).is_dir(),
+                 f"audio_model {self.audio_model!r} is neither 'none', a preset {sorted(AUDIO_PRESETS)} "
                  "nor a local directory")
 
 

@@ -90,7 +90,7 @@ async def embeddings(request: web.Request) -> web.Response:
     args = request.app[ARGS]
     start = time.perf_counter()
     body = await _json_body(request)
-    req = parse_embeddings_request(body, fetch_policy(args.fetch), args.max_items_per_request)
+    req = parse_embeddings_request(body, fetch_policy(args.fetch), args.max_items_per_request, args.preprocess)
     parse_ms = (time.perf_counter() - start) * 1e3
     fleet = request.app[FLEET]
     try:

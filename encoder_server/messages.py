@@ -30,6 +30,7 @@ class EncodeItem:
     inline: bool = False
     route_key: str = ""
     uuid: str | None = None
+    options: dict[str, float | int] | None = None  # video sampling options (`encoder_server.video_options`)
 
 
 @dataclass(frozen=True)

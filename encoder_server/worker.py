@@ -1,13 +1,17 @@
 """One encoder worker: fetch -> preprocess -> encode -> publish, batching items across requests.
 
 Requests arrive on the socket thread (`WorkerIO`), which hands each item to the fetch pool (processes
-that download and decode) at once. Fetched items go to the `BatchScheduler`. The encode loop overlaps
-its stages: while forward k runs on the GPU, batch k+1 is taken from the scheduler, decoded and
-preprocessed on a separate CUDA stream; then forward k's results are published, item by item.
+that download and decode images, sample and decode videos, decode audio) at once. Fetched items go to
+the `BatchScheduler`, one modality per forward: images and videos through the ViT, audio windows through
+the Whisper-style encoder. The encode loop overlaps its stages: while forward k runs on the GPU, batch
+k+1 is taken from the scheduler, decoded and preprocessed on a separate CUDA stream; then forward k's
+results are published, item by item.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import threading
@@ -24,15 +28,21 @@ import zmq
 from encoder_server import messages as m
 from encoder_server import metrics
 from encoder_server.config import FetchConfig, PreprocessConfig, WorkerConfig
+from encoder_server.encode_inputs import EncodeInputs, audio_forward, audio_inputs, audio_window_tokens
+from encoder_server.models.audio import load_audio
 from encoder_server.models.loader import load_vision, resolve_device, resolve_dtype
 from encoder_server.scheduler import BatchScheduler
+from encoder_server.video_options import sampling_for
 from encoder_server.worker_cache import WorkerCache
 from encoder_server.worker_io import WorkerIO
 from preprocess.decode import decode_images, displayed_size, resolve_backend
 from preprocess.errors import MediaError
 from preprocess.fetch import FetchPolicy
 from preprocess.fetch_pool import FetchPool, FetchResult, FetchTask
-from preprocess.image import ImageBatch, preprocess_images, smart_resize, to_device
+from preprocess.image import preprocess_images, smart_resize, to_device
+from preprocess.media_read import AudioRead, VideoRead
+from preprocess.video import preprocess_video
+from preprocess.video_sampling import VideoSampling, frame_size
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -51,16 +61,19 @@ class Item:
     ready_at: float = 0.0
     blob: bytes | None = None  # compressed, for decoding on the device
     image: torch.Tensor | None = None  # uint8 [3, H, W] once decoded
+    frames: torch.Tensor | None = None  # video: uint8 [T, H, W, 3], the sampled frames
+    sampling: VideoSampling | None = None  # video: how its frames were picked and are sized
+    waveform: torch.Tensor | None = None  # audio: float32 [N] at 16 kHz
+    window_tokens: list[int] = field(default_factory=list)  # audio: tokens kept per 30 s window
     error: MediaError | None = None
-    grid: tuple[int, int, int] = (1, 0, 0)
+    grid: tuple[int, int, int] | None = None  # image / video: (t, h, w) in patches
+    num_patches: int = 0  # encoder input positions: the scheduler's token budget counts these
+    num_tokens: int = 0  # embedding rows after the merger / the audio encoder
     timings_ms: dict[str, float] = field(default_factory=dict)
+    key_variant: str = ""  # what besides the media and the server's settings changes the embedding
     route_key: str | None = None  # cache key known before fetching (uuid / URL / inline bytes)
     content_key: str | None = None  # cache key from the media bytes
     has_uuid: bool = False  # the client named this item; its cache entry must exist before the answer leaves
-
-    @property
-    def num_patches(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
 
 
 @dataclass
@@ -68,7 +81,7 @@ class Prepared:
     """A batch whose model inputs are ready (or being uploaded) on the device."""
 
     items: list[Item]
-    inputs: ImageBatch
+    inputs: EncodeInputs
     ready: torch.cuda.Event | None
     started: float
 
@@ -115,6 +128,7 @@ class EncoderWorker:
                              f"{prep.temporal_patch_size} do not match the model's {vc.patch_size}/"
                              f"{vc.spatial_merge_size}/{vc.temporal_patch_size}")
         self.backend = resolve_backend(prep.decode_backend, self.device)
+        self.audio = None if worker.audio_model == "none" else load_audio(worker.audio_model, self.device, self.dtype)
         if worker.compile and self.device.type == "cuda":
             self.model.compile_blocks()
             self.warm_up()
@@ -123,8 +137,11 @@ class EncoderWorker:
         self.scheduler: BatchScheduler[Item] = BatchScheduler(worker.max_batch_tokens, worker.max_batch_items,
                                                               worker.max_wait_ms / 1e3)
         self.cache = self._open_cache(worker, prep) if worker.cache_bytes else None
+        max_result_bytes = max(prep.max_video_decoded_bytes, int(prep.max_audio_duration_s * 16000 * 4))
         self.fetch_pool = FetchPool(fetch.num_fetch_procs, fetch_policy(fetch), prep.max_source_pixels,
-                                    item_timeout_s=fetch.fetch_timeout_s + 5.0, name=f"mmenc-fetch-{index}")
+                                    item_timeout_s=fetch.fetch_timeout_s + 5.0, name=f"mmenc-fetch-{index}",
+                                    max_result_bytes=max_result_bytes)
+        self.video_timeout_s = fetch.fetch_timeout_s + prep.video_decode_timeout_s + 5.0
         ready = m.WorkerReady(self.fingerprint, str(self.device), vc.out_hidden_size, os.getpid())
         self.io = WorkerIO(address, self.on_request, ready)
         self._local = threading.local()  # one PUSH socket per publishing thread (sockets are not thread-safe)
@@ -157,8 +174,14 @@ class EncoderWorker:
             item = Item(identity, req.request_id, spec.index, req.pooling, spec.modality, now)
             blob = next(inline).bytes if spec.inline else None
             item.has_uuid = spec.uuid is not None
+            try:
+                task = self.fetch_task(item, spec, blob)
+            except (MediaError, ValueError) as e:
+                item.error = e if isinstance(e, MediaError) else MediaError(str(e), code="bad_video_options")
+                self.publish_error(item)
+                continue
             if self.cache is not None:
-                item.route_key = self.cache.route_key(spec.route_key, item.has_uuid)
+                item.route_key = self.cache.route_key(spec.route_key, item.has_uuid, item.key_variant)
                 if self.publish_cached(item, self.cache.get_by_route(item.route_key)):
                     continue
             if not spec.source and not spec.inline:
@@ -166,16 +189,37 @@ class EncoderWorker:
                                         code="cache_miss")
                 self.publish_error(item)
                 continue
-            task = FetchTask(spec.source, blob, keep_jpeg=self.backend != "pil")
             self.fetch_pool.submit(task, partial(self._fetched, item))
+
+    def fetch_task(self, item: Item, spec: m.EncodeItem, blob: bytes | None) -> FetchTask:
+        """How the fetch pool reads this item; sets the item's sampling and cache-key variant."""
+        p = self.prep
+        if item.modality == "video":
+            item.sampling = sampling_for(p, spec.options or {})
+            item.key_variant = "video:" + json.dumps(dataclasses.asdict(item.sampling), sort_keys=True)
+            read = VideoRead(item.sampling, p.video_decode_threads, p.max_video_duration_s, p.max_source_pixels,
+                             p.max_video_decoded_bytes, p.video_decode_timeout_s)
+            return FetchTask(spec.source, blob, video=read, timeout_s=self.video_timeout_s)
+        if item.modality == "audio":
+            if self.audio is None:
+                raise MediaError("audio input is turned off on this server (--audio-model none)",
+                                 code="unsupported_content")
+            item.key_variant = f"audio:{self.audio.fingerprint}"
+            return FetchTask(spec.source, blob, audio=AudioRead(p.max_audio_duration_s))
+        if item.modality != "image":
+            raise MediaError(f"unknown modality {item.modality!r}", code="unsupported_content")
+        return FetchTask(spec.source, blob, keep_jpeg=self.backend != "pil")
 
     def publish_cached(self, item: Item, hit: tuple[str, torch.Tensor] | None) -> bool:
         """Answer `item` from the cache (no preprocessing, no forward). False on a miss."""
         if hit is None:
             return False
-        key, tokens = hit  # [t, h/m, w/m, D]
-        merge = self.model.cfg.spatial_merge_size
-        item.grid = (tokens.shape[0], tokens.shape[1] * merge, tokens.shape[2] * merge)
+        key, tokens = hit  # vision: [t, h/m, w/m, D]; audio: [tokens, D]
+        if tokens.dim() == 4:
+            merge = self.model.cfg.spatial_merge_size
+            self.set_grid(item, (tokens.shape[0], tokens.shape[1] * merge, tokens.shape[2] * merge))
+        else:
+            item.num_tokens = tokens.shape[0]
         item.timings_ms["cache"] = (time.perf_counter() - item.arrived) * 1e3
         full = tokens.reshape(-1, tokens.shape[-1]).float()  # [tokens, D]
         self.publish(item, full.mean(0) if item.pooling == "mean" else full)
@@ -187,15 +231,14 @@ class EncoderWorker:
         """Fetch-pool callback: size the item from its pixels or header, then queue it for a forward."""
         item.timings_ms.update(result.timings_ms)
         item.image, item.blob, item.error = result.image, result.blob, result.error
+        item.frames, item.waveform = result.frames, result.waveform
         if item.error is None and self.cache is not None and result.digest:
-            item.content_key = self.cache.content_key(result.digest)
+            item.content_key = self.cache.content_key(result.digest, item.key_variant)
             if self.publish_cached(item, self.cache.get(item.content_key)):
                 return
         if item.error is None:
             try:
-                height, width = (item.image.shape[-2:] if item.image is not None
-                                  else displayed_size(item.blob, self.prep.max_source_pixels))
-                item.grid = self.grid_for(height, width)
+                self.size(item)
             except MediaError as e:
                 item.error = e
         if item.error is not None:
@@ -204,6 +247,27 @@ class EncoderWorker:
         item.ready_at = time.perf_counter()
         self.queue_depth.inc()
         self.scheduler.put(item)
+
+    def size(self, item: Item) -> None:
+        """Set the item's grid and token counts from its fetched media (header size for JPEG bytes)."""
+        p = self.prep
+        if item.waveform is not None:
+            item.window_tokens = audio_window_tokens(item.waveform.numel(), self.audio.cfg.max_source_positions)
+            item.num_patches = len(item.window_tokens) * self.audio.cfg.max_source_positions
+            item.num_tokens = sum(item.window_tokens)
+        elif item.frames is not None:
+            num_frames, height, width, _ = item.frames.shape
+            h, w = frame_size(height, width, num_frames, item.sampling)
+            self.set_grid(item, (-(-num_frames // p.temporal_patch_size), h // p.patch_size, w // p.patch_size))
+        else:
+            height, width = (item.image.shape[-2:] if item.image is not None
+                             else displayed_size(item.blob, p.max_source_pixels))
+            self.set_grid(item, self.grid_for(height, width))
+
+    def set_grid(self, item: Item, grid: tuple[int, int, int]) -> None:
+        item.grid = grid
+        item.num_patches = grid[0] * grid[1] * grid[2]
+        item.num_tokens = item.num_patches // self.model.cfg.merge_unit
 
     def grid_for(self, height: int, width: int) -> tuple[int, int, int]:
         p = self.prep
@@ -250,11 +314,7 @@ class EncoderWorker:
             it.timings_ms["queue"] = (start - it.ready_at) * 1e3
         stream = torch.cuda.stream(self.upload_stream) if self.upload_stream is not None else nullcontext()
         with stream:
-            batch = self.decode_on_device(batch)
-            if not batch:
-                return None
-            inputs = self.guarded(batch, lambda: preprocess_images([it.image for it in batch], self.prep,
-                                                                   self.device, out_dtype=self.dtype))
+            batch, inputs = self.model_inputs(batch)
             if inputs is None:
                 return None
             ready = None
@@ -263,9 +323,37 @@ class EncoderWorker:
                 ready.record(self.upload_stream)
         prep_ms = (time.perf_counter() - start) * 1e3
         for it in batch:
-            it.image = None
+            it.image = it.frames = it.waveform = None
             it.timings_ms["preprocess"] = prep_ms
         return Prepared(batch, inputs, ready, start)
+
+    def model_inputs(self, batch: list[Item]) -> tuple[list[Item], EncodeInputs | None]:
+        """(the items still alive, their model inputs) for one single-modality batch; failed items are
+        published as errors here."""
+        modality = batch[0].modality
+        if modality == "audio":
+            inputs = self.guarded(batch, lambda: audio_inputs([it.waveform for it in batch],
+                                                              [it.window_tokens for it in batch],
+                                                              self.audio.cfg.num_mel_bins, self.device))
+            return batch, inputs
+        if modality == "video":
+            patches = []
+            for it in list(batch):
+                try:
+                    patches.append(preprocess_video(it.frames, self.prep, it.sampling, self.device, self.dtype,
+                                                    channels_last=True).pixel_values)  # [P_i, patch_dim]
+                except MediaError as e:
+                    it.error = e
+                    self.publish_error(it)
+            batch = [it for it in batch if it.error is None]
+            pixel_values = torch.cat(patches) if patches else None
+            return batch, EncodeInputs(pixel_values, [it.grid for it in batch]) if batch else None
+        batch = self.decode_on_device(batch)
+        if not batch:
+            return batch, None
+        images = self.guarded(batch, lambda: preprocess_images([it.image for it in batch], self.prep, self.device,
+                                                               out_dtype=self.dtype))
+        return batch, EncodeInputs(images.pixel_values, [it.grid for it in batch]) if images is not None else None
 
     def decode_on_device(self, batch: list[Item]) -> list[Item]:
         pending = [it for it in batch if it.image is None]
@@ -280,17 +368,20 @@ class EncoderWorker:
                     self.publish_error(it)
                 else:
                     it.image = out
-                    it.grid = self.grid_for(*out.shape[-2:])  # equals the header's size but for broken EXIF
+                    self.set_grid(it, self.grid_for(*out.shape[-2:]))  # the header's size but for broken EXIF
                     it.timings_ms["decode"] = (time.perf_counter() - start) * 1e3
         return [it for it in batch if it.error is None]
 
     @torch.inference_mode()
     def launch(self, prep: Prepared) -> InFlight:
         """Queue the forward and the pooling on the device; nothing waits for the device here."""
+        inputs = prep.inputs
         if prep.ready is not None:
             torch.cuda.current_stream().wait_event(prep.ready)
-            prep.inputs.pixel_values.record_stream(torch.cuda.current_stream())
-        lengths = [it.num_patches // self.model.cfg.merge_unit for it in prep.items]
+            for t in (inputs.pixel_values, inputs.features):
+                if t is not None:
+                    t.record_stream(torch.cuda.current_stream())
+        lengths = [it.num_tokens for it in prep.items]
         counts = to_device(torch.tensor(lengths), self.device)  # [N]
         item_ids = to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
                               self.device)  # [T]
@@ -299,7 +390,8 @@ class EncoderWorker:
         started = time.perf_counter()
         if events:
             events[0].record()
-        out = self.model(prep.inputs.pixel_values, [it.grid for it in prep.items])  # [T, D]
+        out = (audio_forward(self.audio.model, inputs) if inputs.features is not None
+               else self.model(inputs.pixel_values, inputs.grids))  # [T, D]
         sums = torch.zeros(len(lengths), out.shape[1], device=out.device).index_add_(0, item_ids, out.float())  # [N, D]
         pooled = sums / counts[:, None]  # [N, D]
         if events:
@@ -326,12 +418,14 @@ class EncoderWorker:
             it.timings_ms["encode"] = encode_s * 1e3
             start = time.perf_counter()
             if self.cache is not None and it.content_key and per_item is not None:
-                t, h, w = it.grid
-                merge = self.model.cfg.spatial_merge_size
+                entry = per_item[i]  # [tokens, D]; vision entries carry their grid: [t, h/m, w/m, D]
+                if it.grid is not None:
+                    t, h, w = it.grid
+                    merge = self.model.cfg.spatial_merge_size
+                    entry = entry.view(t, h // merge, w // merge, -1)
                 # NOTE: a uuid item is written before its answer so that the client's next uuid-only request
                 # hits; other items are queued to the writer thread (a miss there only costs a re-fetch).
-                self.cache.put(it.route_key, it.content_key, per_item[i].view(t, h // merge, w // merge, -1),
-                               wait=it.has_uuid)
+                self.cache.put(it.route_key, it.content_key, entry, wait=it.has_uuid)
             self.publish(it, pooled[i] if it.pooling == "mean" else per_item[i].float())
             it.timings_ms["publish"] = (time.perf_counter() - start) * 1e3
             for stage, ms in it.timings_ms.items():
@@ -347,7 +441,7 @@ class EncoderWorker:
 
     def publish(self, it: Item, tensor: torch.Tensor) -> None:
         header = m.ItemResult(it.request_id, it.index, dtype="float32", shape=tuple(tensor.shape), grid_thw=it.grid,
-                              num_tokens=it.num_patches // self.model.cfg.merge_unit,
+                              num_tokens=it.num_tokens,
                               timings_ms={k: round(v, 3) for k, v in it.timings_ms.items()})
         self._sender().send_multipart([it.identity, m.pack(header), m.tensor_frame(tensor)], copy=False)
 

@@ -45,14 +45,21 @@ class WorkerCache:
         self._writer = threading.Thread(target=self._write_loop, name="cache-writer", daemon=True)
         self._writer.start()
 
-    def route_key(self, route: str, has_uuid: bool) -> str | None:
-        """The pre-download key of an item, or None when such lookups are off for it (URLs, by flag)."""
+    def route_key(self, route: str, has_uuid: bool, variant: str = "") -> str | None:
+        """The pre-download key of an item, or None when such lookups are off for it (URLs, by flag).
+
+        `variant` names what else changes the embedding: "" for images, the sampling for videos, the
+        audio encoder for audio; it keeps one media's entries of different modalities/options apart.
+        """
         if not route or not (has_uuid or self.by_url or route.startswith("b:")):
             return None
-        return cache_key(route, self.params, self.fingerprint)
+        return cache_key(route, self.params, self._fingerprint(variant))
 
-    def content_key(self, digest: str) -> str:
-        return content_key(digest.encode(), self.params, self.fingerprint)
+    def content_key(self, digest: str, variant: str = "") -> str:
+        return content_key(digest.encode(), self.params, self._fingerprint(variant))
+
+    def _fingerprint(self, variant: str) -> str:
+        return f"{self.fingerprint}|{variant}" if variant else self.fingerprint
 
     def get_by_route(self, key: str | None) -> tuple[str, torch.Tensor] | None:
         """(content key, embedding) through the alias stored under a route key."""

@@ -1,8 +1,10 @@
 """A pool of processes (not threads: PIL decode holds the GIL) that fetch and decode media for one worker.
 
 Each child takes one `FetchTask` at a time over its pipe: fetch, header check (pixel limit), then either
-the JPEG bytes go back for GPU decode or PIL decodes and the pixels go into the child's arena: one
-`SharedMemory` segment per child that only the PARENT creates, grows and unlinks (children attach), so a
+the JPEG bytes go back for GPU decode or PIL decodes and the pixels go into the child's arena. Videos are
+probed and their sampled frames decoded in parallel chunks (`media_read.read_video`), audio is decoded
+and resampled (`media_read.read_audio`); frames / waveform go into the arena the same way. The arena is
+one `SharedMemory` segment per child that only the PARENT creates, grows and unlinks (children attach), so a
 dying child cannot leak one. The child sends (arena, offset, shape); the dispatcher copies the pixels out
 once (pinned when CUDA is available) before that child gets its next task. An image larger than the arena
 makes the child ask for a bigger one (`_Grow`) and wait.
@@ -40,6 +42,7 @@ from preprocess import errors
 from preprocess.decode import exif_orientation, is_plain_jpeg, open_image, pil_to_tensor
 from preprocess.errors import DecodeError, FetchError, MediaError
 from preprocess.fetch import FetchPolicy, fetch_media
+from preprocess.media_read import AudioRead, VideoRead, read_audio, read_video
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +61,23 @@ class FetchTask:
     source: str  # URL / local path / "data:" (then `inline` holds the bytes)
     inline: bytes | None = None
     keep_jpeg: bool = False  # the worker decodes JPEGs on the GPU: return plain JPEG bytes undecoded
+    video: VideoRead | None = None  # read it as a video: sample and decode frames
+    audio: AudioRead | None = None  # read it as audio: decode and resample to 16 kHz mono
+    timeout_s: float | None = None  # this task's limit in a child (default: the pool's item_timeout_s)
 
 
 @dataclass
 class FetchResult:
-    """What became of one `FetchTask`: exactly one of `image`, `blob`, `error` is set."""
+    """What became of one `FetchTask`: exactly one of `image`, `blob`, `frames`, `waveform`, `error` is set."""
 
     image: torch.Tensor | None  # uint8 [3, H, W] on the CPU
     blob: bytes | None  # compressed bytes, when keep_jpeg and `is_plain_jpeg` said the GPU can take it
     error: MediaError | None
     timings_ms: dict[str, float] = field(default_factory=dict)  # "fetch" and, when decoded here, "decode"
     digest: str = ""  # blake2b-128 of the media bytes (hex), for content-addressed caching
+    frames: torch.Tensor | None = None  # video: uint8 [T, H, W, 3], the sampled frames
+    waveform: torch.Tensor | None = None  # audio: float32 [N] at 16 kHz
+    meta: dict[str, float] = field(default_factory=dict)  # video: "fps" of the sampled frames, "source_fps", ...
 
 
 # ------------------------------------------------------------------ messages on a child's pipe
@@ -91,15 +100,17 @@ class _Grow:  # child -> parent: the arena is too small for `num_bytes`; answere
 
 
 @dataclass(frozen=True)
-class _Done:  # child -> parent: pixels in the arena (`shape`), bytes (`blob`) or an error
+class _Done:  # child -> parent: a tensor in the arena (`shape`, `dtype`), bytes (`blob`) or an error
     task_id: int
     timings_ms: dict[str, float]
     arena: str | None = None
     offset: int = 0
-    shape: tuple[int, int, int] | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str = "uint8"
     blob: bytes | None = None
     error: tuple[str, str, str, int] | None = None  # (MediaError class name, message, code, status)
     digest: str = ""
+    meta: dict[str, float] = field(default_factory=dict)
 
 
 _READY = "ready"  # child -> parent, once, after its imports
@@ -120,22 +131,24 @@ def _child_main(conn: Connection, name: str, arena_name: str, policy: FetchPolic
     conn.send(_READY)
     try:
         while (job := conn.recv()) is not None:
-            done, image = _read(job, policy, max_source_pixels, is_test)
-            if image is not None:
-                num_bytes = image.numel()
-                if num_bytes > arena.size:
-                    conn.send(_Grow(num_bytes))
+            done, tensor = _read(job, policy, max_source_pixels, is_test)
+            if tensor is not None:
+                raw = tensor.contiguous().view(torch.uint8).reshape(-1)  # [num_bytes]
+                if raw.numel() > arena.size:
+                    conn.send(_Grow(raw.numel()))
                     grown = conn.recv()
                     if not isinstance(grown, _Arena):
                         return
                     arena.close()
                     arena = SharedMemory(grown.name)
-                dst = torch.frombuffer(arena.buf, dtype=torch.uint8, count=num_bytes).view(image.shape)  # [3, H, W]
-                dst.copy_(image)
-                del dst  # NOTE: an exported buffer would make arena.close() fail
-                done = _Done(done.task_id, done.timings_ms, arena=arena.name, shape=tuple(image.shape),
-                             digest=done.digest)
+                dst = torch.frombuffer(arena.buf, dtype=torch.uint8, count=raw.numel())  # [num_bytes]
+                dst.copy_(raw)
+                del dst, raw  # NOTE: an exported buffer would make arena.close() fail
+                done = _Done(done.task_id, done.timings_ms, arena=arena.name, shape=tuple(tensor.shape),
+                             dtype=str(tensor.dtype).removeprefix("torch."), digest=done.digest, meta=done.meta)
             conn.send(done)
+            if done.error is not None and done.error[2] == "decode_timeout":
+                return  # NOTE: a decoder thread is stuck in this process; exit so the pool starts a fresh one
     except (EOFError, OSError):
         pass  # the parent is gone
     finally:
@@ -144,7 +157,7 @@ def _child_main(conn: Connection, name: str, arena_name: str, policy: FetchPolic
 
 def _read(job: _Job, policy: FetchPolicy, max_source_pixels: int, is_test: bool
           ) -> tuple[_Done, torch.Tensor | None]:
-    """Fetch + header check + (unless the GPU takes the JPEG) PIL decode; never raises."""
+    """Fetch + header check + decode (unless the GPU takes the JPEG); never raises."""
     task, timings = job.task, {}
     start = time.perf_counter()
     try:
@@ -154,6 +167,15 @@ def _read(job: _Job, policy: FetchPolicy, max_source_pixels: int, is_test: bool
         timings["fetch"] = _ms_since(start)
         digest = hashlib.blake2b(blob, digest_size=16).hexdigest()
         start = time.perf_counter()
+        if task.video is not None:
+            video = read_video(blob, task.video)
+            timings["decode"] = _ms_since(start)
+            meta = {"fps": video.fps, "source_frames": float(video.source_frames), "source_fps": video.source_fps}
+            return _Done(job.task_id, timings, digest=digest, meta=meta), video.frames
+        if task.audio is not None:
+            waveform = read_audio(blob, task.audio)
+            timings["decode"] = _ms_since(start)
+            return _Done(job.task_id, timings, digest=digest), waveform
         img = open_image(blob, max_source_pixels)  # header only: MediaTooLarge before any pixel is decoded
         if task.keep_jpeg and exif_orientation(img) is not None and is_plain_jpeg(blob, img, _GPU_JPEG_MODES):
             return _Done(job.task_id, timings, blob=blob, digest=digest), None
@@ -218,18 +240,21 @@ class FetchPool:
         num_procs: child processes (each holds at most one task at a time).
         policy: what may be fetched and how much of it.
         max_source_pixels: largest accepted width * height (checked from the header, before decoding).
-        item_timeout_s: limit per task from the moment a child takes it; past it the child is killed.
+        item_timeout_s: limit per task from the moment a child takes it (unless the task sets its own);
+            past it the child is killed.
         name: process name prefix; children are named f"{name}-{i}".
+        max_result_bytes: largest decoded result (image pixels, video frames, waveform) a child may hand
+            over; default 3 * max_source_pixels (one RGB image).
     """
 
     def __init__(self, num_procs: int, policy: FetchPolicy, max_source_pixels: int, item_timeout_s: float,
-                 name: str = "mmenc-fetch", *, _test_hooks: bool = False) -> None:
+                 name: str = "mmenc-fetch", *, max_result_bytes: int = 0, _test_hooks: bool = False) -> None:
         if num_procs < 1 or max_source_pixels < 1 or item_timeout_s <= 0:
             raise ValueError("need num_procs >= 1, max_source_pixels >= 1 and item_timeout_s > 0")
         self._ctx = multiprocessing.get_context("spawn")
         self._policy, self._max_source_pixels, self._item_timeout_s = policy, max_source_pixels, item_timeout_s
         self._name, self._is_test = name, _test_hooks
-        self._max_arena_bytes = 3 * max_source_pixels
+        self._max_arena_bytes = max(3 * max_source_pixels, max_result_bytes)
         self._pin = torch.cuda.is_available()
         self._lock = threading.Lock()  # guards `_submitted` and `_is_closing`
         self._submitted: collections.deque[_Pending] = collections.deque()
@@ -311,7 +336,8 @@ class FetchPool:
                     self._service(child, is_dead=child.process.sentinel in ready)
                 now = time.monotonic()
                 for child in [c for c in self._children if c.deadline <= now]:
-                    self._replace(child, FetchError(f"timed out after {self._item_timeout_s:g} s reading media"))
+                    limit = (child.job.task.timeout_s if child.job else None) or self._item_timeout_s
+                    self._replace(child, FetchError(f"timed out after {limit:g} s reading media"))
         except Exception:
             log.exception("fetch pool dispatcher failed")
         finally:
@@ -335,7 +361,7 @@ class FetchPool:
                     self._queue.appendleft(job)
                     self._replace(child, None)
                     continue
-                child.job, child.deadline = job, time.monotonic() + self._item_timeout_s
+                child.job, child.deadline = job, time.monotonic() + (job.task.timeout_s or self._item_timeout_s)
 
     def _service(self, child: _Child, is_dead: bool) -> None:
         """Handle everything `child` sent; replace it when it has died."""
@@ -381,13 +407,20 @@ class FetchPool:
         if done.arena != child.arena.name:
             raise RuntimeError(f"{child.process.name} wrote to {done.arena}, not its arena {child.arena.name}")
         start = time.perf_counter()
-        src = torch.frombuffer(child.arena.buf, dtype=torch.uint8, count=math.prod(done.shape),
-                               offset=done.offset).view(done.shape)  # [3, H, W] in shared memory
-        image = torch.empty(done.shape, dtype=torch.uint8, pin_memory=self._pin)  # [3, H, W]
-        image.copy_(src)
+        dtype = getattr(torch, done.dtype)
+        num_bytes = math.prod(done.shape) * dtype.itemsize
+        src = torch.frombuffer(child.arena.buf, dtype=torch.uint8, count=num_bytes, offset=done.offset)  # shm
+        # NOTE: only images are pinned: pinning a video's GBs costs more than the faster upload saves
+        out = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self._pin and len(done.shape) == 3)  # [num_bytes]
+        out.copy_(src)
         del src  # NOTE: an exported buffer would make the arena's close() fail
+        tensor = out.view(dtype).view(done.shape)
         timings = {**done.timings_ms, "decode": done.timings_ms.get("decode", 0.0) + _ms_since(start)}
-        return FetchResult(image, None, None, timings, done.digest)
+        if len(done.shape) == 4:
+            return FetchResult(None, None, None, timings, done.digest, frames=tensor, meta=done.meta)
+        if len(done.shape) == 1:
+            return FetchResult(None, None, None, timings, done.digest, waveform=tensor, meta=done.meta)
+        return FetchResult(tensor, None, None, timings, done.digest)
 
     def _replace(self, child: _Child, error: MediaError | None) -> None:
         """Kill `child`, fail its task with `error`, start a new child on the same arena."""
