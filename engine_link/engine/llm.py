@@ -5,7 +5,8 @@
     outs[0].token_ids
 
 Streaming: `add_request(...)` then `step()` until `has_unfinished()` is False; each step returns the new
-tokens per request (`StepOutput`). `abort(request_id)` between steps. The loop is the algorithm:
+tokens per request (`StepOutput`; the finishing one carries the `RequestOutput`). `abort(request_id)` between
+steps (not thread-safe: a server calls it from the loop's thread, e.g. from a command queue). The loop is the algorithm:
 `batch = scheduler.schedule(); tokens = runner.run(batch); scheduler.postprocess(batch, tokens)`.
 """
 
@@ -56,6 +57,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    output: RequestOutput | None = None  # the whole output, on the request's finishing step
 
 
 class LLM:
@@ -78,7 +80,8 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.tokenizer = load_tokenizer(model)
         self._generator = torch.Generator(self.device).manual_seed(self.config.seed)
-        self._requests: dict[str, Sequence] = {}
+        self._requests: dict[str, Sequence] = {}  # unfinished requests
+        self._aborted: list[Sequence] = []  # aborted since the last step
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt: Seq[int] | Prompt, params: SamplingParams | None = None,
@@ -131,20 +134,35 @@ class LLM:
         return segments
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now (its KV goes to the prefix cache); False if it is unknown or already finished."""
-        return self.scheduler.abort(request_id) is not None
+        """Stop a request now (its KV goes to the prefix cache); the next `step()` reports it finished with
+        reason "abort". False if it is unknown or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._aborted.append(seq)
+        return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._aborted)
 
     # ------------------------------------------------------------------------------------------- loop
     def step(self) -> list[StepOutput]:
-        """One forward: new tokens of every request that got one (and requests aborted since the last step)."""
+        """One forward. Returns the new token of every request that got one, and the requests aborted since the
+        last step; a finished request (`.finished`) carries its `RequestOutput` and is forgotten here."""
         batch = self.scheduler.schedule()
         tokens = self.runner.run(batch)
         updated = self.scheduler.postprocess(batch, tokens)
-        return [StepOutput(s.request_id, [s.output[-1]], s.status is Status.FINISHED, s.finish_reason)
-                for s in updated]
+        outs = [self._step_output(s, [s.output[-1]]) for s in updated]
+        outs += [self._step_output(s, []) for s in self._aborted]
+        self._aborted.clear()
+        return outs
+
+    def _step_output(self, seq: Sequence, new_tokens: list[int]) -> StepOutput:
+        finished = seq.status is Status.FINISHED
+        if finished:
+            self._requests.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, new_tokens, finished, seq.finish_reason,
+                          self._output(seq) if finished else None)
 
     def stream(self, prompts: Seq[Seq[int] | Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
                ) -> Iterator[StepOutput]:
@@ -159,15 +177,16 @@ class LLM:
         """Run `prompts` to completion; outputs in prompt order."""
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, self._params(params, len(prompts)),
                                                                  strict=True)]
+        seqs = [self._requests[i] for i in ids]
         while self.has_unfinished():
             self.step()
-        return [self.output(i) for i in ids]
+        return [self._output(seq) for seq in seqs]
 
     def output(self, request_id: str) -> RequestOutput:
-        """The request's output so far; a finished request is forgotten after this call."""
-        seq = self._requests[request_id]
-        if seq.status is Status.FINISHED:
-            del self._requests[request_id]
+        """The output so far of an unfinished request (a finished one comes with its last StepOutput)."""
+        return self._output(self._requests[request_id])
+
+    def _output(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.output) if self.tokenizer is not None else None
         logits = torch.stack(seq.logits) if seq.logits else None
         return RequestOutput(seq.request_id, seq.prompt, list(seq.output), seq.finish_reason, seq.num_cached,

@@ -1,0 +1,143 @@
+"""Engine scheduling on the tiny model: SWA usage stays flat, streaming, abort, stop conditions, policies,
+continuous batching, sampling, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_link.engine import LLM, MODEL_PRESETS, Prompt, SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = MODEL_PRESETS["tiny"]
+W = CFG.sliding_window
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", max_prefill_tokens=16, num_swa_slots=96)
+
+
+def test_swa_usage_stays_flat_while_the_sequence_grows() -> None:
+    interval = 4
+    llm = LLM("tiny", max_prefill_tokens=8, swa_release_interval=interval, enable_prefix_cache=False)
+    llm.add_request(prompt_of(30, 1), greedy(40))
+    swa, full = [], []
+    while llm.has_unfinished():
+        llm.step()
+        swa.append(llm.scheduler.swa_pool.num_used())
+        full.append(llm.scheduler.full_pool.num_used())
+    # prefill: at most W-1 kept + one chunk; decode: W-1 kept + up to `interval` new before each release
+    assert max(swa) <= W - 1 + 8
+    assert max(swa[4:-1]) <= W - 1 + interval
+    assert full[-2] == 30 + 40 - 2 and full[-1] == 0  # the full pool grows with the sequence, then is freed
+    assert swa[-1] == 0
+
+
+def test_stream_yields_the_same_tokens_as_generate(llm) -> None:
+    prompts = [prompt_of(5, 2), prompt_of(20, 3)]
+    expected = [o.token_ids for o in llm.generate(prompts, greedy(7))]
+    got: dict[str, list[int]] = {}
+    order: list[str] = []
+    finished = set()
+    for out in llm.stream(prompts, greedy(7)):
+        if out.request_id not in got:
+            order.append(out.request_id)
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert out.request_id not in finished
+        if out.finished:
+            finished.add(out.request_id)
+    assert sorted(got.values()) == sorted(expected) and len(finished) == 2
+
+
+def test_decodes_and_a_new_prefill_share_a_step(llm) -> None:
+    a = llm.add_request(prompt_of(6, 4), greedy(20))
+    llm.step()
+    llm.step()
+    b = llm.add_request(prompt_of(9, 5), greedy(3))
+    assert {o.request_id for o in llm.step()} == {a, b}  # a decodes while b prefills (and samples)
+    finished = {}
+    while llm.has_unfinished():
+        finished.update({o.request_id: o.output for o in llm.step() if o.finished})
+    assert len(finished[a].token_ids) == 20 and len(finished[b].token_ids) == 3
+
+
+def test_abort_running_and_waiting_requests() -> None:
+    llm = LLM("tiny", max_num_seqs=1, max_prefill_tokens=16, num_swa_slots=96)
+    running = llm.add_request(prompt_of(7, 6), greedy(50))
+    waiting = llm.add_request(prompt_of(7, 7), greedy(50))
+    other = llm.add_request(prompt_of(8, 8), greedy(4))
+    for _ in range(3):
+        llm.step()
+    assert llm.abort(running) and llm.abort(waiting)
+    assert not llm.abort(running) and not llm.abort("no-such-request")
+    finished = {}
+    while llm.has_unfinished():
+        finished.update({o.request_id: o.output for o in llm.step() if o.finished})
+    assert finished[running].finish_reason == "abort" and len(finished[running].token_ids) == 3
+    assert finished[waiting].finish_reason == "abort" and finished[waiting].token_ids == []
+    assert len(finished[other].token_ids) == 4 and finished[other].finish_reason == "length"
+    usage = llm.scheduler.usage()
+    assert usage["full_used"] == usage["full_cached"] and usage["swa_used"] == usage["swa_cached"]
+
+
+def test_stop_token_ends_the_request(llm) -> None:
+    prompt = prompt_of(10, 9)
+    free = llm.generate([prompt], greedy(8))[0].token_ids
+    stop = free[3]
+    out = llm.generate([prompt], greedy(8, stop_token_ids=[stop]))[0]
+    assert out.token_ids == free[:free.index(stop) + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("policy", ["fewest-uncached", "fcfs"])
+def test_waiting_order_policy(policy: str) -> None:
+    llm = LLM("tiny", max_num_seqs=1, policy=policy, penalty_tokens_per_s=0.0, enable_prefix_cache=False)
+    long = llm.add_request(prompt_of(60, 10), greedy(2))
+    short = llm.add_request(prompt_of(4, 11), greedy(2))
+    first = llm.step()[0].request_id
+    assert first == (short if policy == "fewest-uncached" else long)
+    while llm.has_unfinished():
+        llm.step()
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llm) -> None:
+    prompt = prompt_of(8, 12)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=10, seed=123)
+    alone = llm.generate([prompt], params)[0].token_ids
+    batched = llm.generate([prompt_of(13, 13), prompt], [greedy(4), params])[1].token_ids
+    assert alone == batched
+    assert llm.generate([prompt], SamplingParams(temperature=1.0, top_k=1, max_tokens=6))[0].token_ids == \
+        llm.generate([prompt], greedy(6))[0].token_ids
+
+
+def test_bad_inputs_raise_clear_errors(llm) -> None:
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.add_request([], greedy(2))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.add_request([1, CFG.vocab_size], greedy(2))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.add_request([-1], greedy(2))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="exceeds the KV capacity"):
+        llm.add_request([1] * (llm.config.num_full_slots - 3), greedy(4))
+    with pytest.raises(ValueError, match="shape"):
+        llm.add_request(Prompt([1, 2, 3], embeds=[(0, torch.zeros(2, CFG.hidden_size + 1))]), greedy(2))
+    with pytest.raises(ValueError, match="overlaps"):
+        llm.add_request(Prompt([1, 2, 3], embeds=[(2, torch.zeros(2, CFG.hidden_size))]), greedy(2))
+    with pytest.raises(ValueError, match="unknown engine options"):
+        LLM("tiny", num_full_slot=3)
+    with pytest.raises(ValueError, match="num_swa_slots"):
+        LLM("tiny", num_swa_slots=16, max_prefill_tokens=64)
+    with pytest.raises(ValueError, match="neither a preset"):
+        LLM("no-such-model")
+    assert not llm.has_unfinished()  # nothing half-added
