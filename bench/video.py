@@ -8,7 +8,9 @@ Variants (all from the file's bytes in memory, readers opened inside the timed r
   dali_xK         K DALI NVDEC decoders alone (needs DALI + CUDA)
   hybrid_NcKg     `video_dali.decode_frames_hybrid`: N CPU decoders and K NVDEC decoders on one chunk queue
 Frames of every CPU variant are compared with the sequential read (bit-identical expected); NVDEC frames
-differ by colour conversion, so those rows report the mean/max absolute difference instead.
+differ by colour conversion, so those rows report the mean/max absolute difference instead. The DALI rows end
+with the frames on the GPU (CPU chunks are copied there as they finish), the CPU rows in host memory.
+`work_frames` estimates the frames each variant must decode (from the keyframe before each run of indices).
 The default video (1 hour 720p30, CRF 35, made with `bench.media_make`) takes minutes to decode
 sequentially: `--duration 4 --width 64 --height 48 --frames 16` is a seconds-long smoke run.
 """
@@ -16,6 +18,7 @@ sequentially: `--duration 4 --width 64 --height 48 --frames 16` is a seconds-lon
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import os
 import statistics
@@ -153,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--name", default="video")
     a = p.parse_args(argv)
+    if importlib.util.find_spec("decord") is None:
+        print("bench.video needs decord (pip install decord; for the H200: ../shared/tools/gpu-wheels)", flush=True)
+        return 2
     torch.manual_seed(a.seed)
     cores = num_cores()
     skip = set(filter(None, a.skip.split(",")))
