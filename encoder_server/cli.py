@@ -1,4 +1,4 @@
-"""The `mmenc` command: `serve`, `embed FILE...`, `bench vit|preprocess`."""
+"""The `mmenc` command: `serve`, `embed FILE...`, `cache stats|clear`, `bench NAME`."""
 
 from __future__ import annotations
 
@@ -89,16 +89,16 @@ def _cache(ns: argparse.Namespace) -> int:
     return 0
 
 
+# `mmenc bench NAME` -> the module whose `main(argv)` runs it (imported only when chosen)
+BENCHES = {"vit": "bench.vit", "preprocess": "bench.preprocess", "serve": "bench.serve", "cache": "bench.cache",
+           "video": "bench.video", "audio": "bench.audio", "engine": "bench.engine",
+           "engine-prefix": "bench.engine_prefix"}
+
+
 def _bench(ns: argparse.Namespace, rest: list[str]) -> int:
-    if ns.what == "vit":
-        from bench.vit import main as bench_main
-    elif ns.what == "serve":
-        from bench.serve import main as bench_main
-    elif ns.what == "cache":
-        from bench.cache import main as bench_main
-    else:
-        from bench.preprocess import main as bench_main
-    return bench_main(rest)
+    import importlib
+
+    return importlib.import_module(BENCHES[ns.what]).main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--name", default=None, help="arena name (default: every mmenc cache on this machine)")
     cache.add_argument("--unlink", action="store_true", help="with clear: also remove the arena itself")
     bench = sub.add_parser("bench", help="benchmarks (run on a GPU machine); `mmenc bench vit --help`")
-    bench.add_argument("what", choices=["vit", "preprocess", "serve", "cache"])
+    bench.add_argument("what", choices=sorted(BENCHES))
     return parser
 
 
