@@ -14,6 +14,15 @@ from engine_link.engine import LLM, MODEL_PRESETS, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny shapes gain nothing from intra-op threads, and a busy 2-core box stalls them badly."""
+    num = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num)
+
 ATOL = 1e-4
 CFG = MODEL_PRESETS["tiny"]
 W = CFG.sliding_window
