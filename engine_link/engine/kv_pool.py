@@ -42,7 +42,7 @@ class SlotAllocator:
         start = self._num_free - n
         slots = self._free[start:self._num_free].flip(0).clone()  # [n]
         self._num_free = start
-        self._is_free[slots] = False
+        self._is_free.index_fill_(0, slots, False)
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
@@ -59,14 +59,14 @@ class SlotAllocator:
             raise ValueError(f"slot {int(slots.max())} out of range for a pool of {self.num_slots}")
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("double free: a slot appears more than once in one free() call")
-        already = self._is_free[slots]
+        already = self._is_free.index_select(0, slots)  # [k]
         if bool(already.any()):
             bad = slots[already][:8].tolist()
             raise ValueError(f"double free of slots {bad} (already free)")
         k = slots.numel()
         self._free[self._num_free:self._num_free + k] = slots.flip(0)
         self._num_free += k
-        self._is_free[slots] = True
+        self._is_free.index_fill_(0, slots, True)
 
     def num_free(self) -> int:
         """Slots free now."""
@@ -78,7 +78,7 @@ class SlotAllocator:
 
     def is_free(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool `[n]`: whether each slot (all >= 0) is free now; for checks and tests."""
-        return self._is_free[torch.as_tensor(slots, dtype=torch.int64)]
+        return self._is_free.index_select(0, torch.as_tensor(slots, dtype=torch.int64).reshape(-1))
 
     def free_slots(self) -> torch.Tensor:
         """int64 `[num_free]` copy of the free slots (no order promised); for checks and tests."""

@@ -38,6 +38,7 @@ position in it can end a window-safe match, for W > 1), so SWA eviction drops an
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -53,7 +54,8 @@ class _Node:
     """A run of tokens with their full and SWA slots; children keyed by their first token."""
 
     __slots__ = ("key", "full", "swa", "children", "parent", "lock_ref", "swa_locks", "swa_lock_ref",
-                 "full_clock", "swa_clock", "num_live_swa")
+                 "full_clock", "swa_clock", "num_live_swa", "serial")
+    _serials = itertools.count()  # NOTE: breaks LRU ties deterministically (id() would vary between runs)
 
     def __init__(self, key: torch.Tensor, full: torch.Tensor, swa: torch.Tensor, parent: _Node | None,
                  full_clock: int = 0, swa_clock: int = 0) -> None:
@@ -67,6 +69,7 @@ class _Node:
         self.swa_lock_ref = 0  # sum of swa_locks (protects SWA)
         self.full_clock, self.swa_clock = full_clock, swa_clock
         self.num_live_swa = int((swa >= 0).sum())
+        self.serial = next(_Node._serials)
 
     def __len__(self) -> int:
         return self.key.numel()
@@ -300,7 +303,7 @@ class SwaRadixCache:
         """
         freed_full = freed_swa = 0
         if num_full > 0:
-            heap = [(n.full_clock, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+            heap = [(n.full_clock, n.serial, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
             heapq.heapify(heap)
             while heap and freed_full < num_full:
                 node = heapq.heappop(heap)[2]
@@ -308,9 +311,9 @@ class SwaRadixCache:
                 f, s = self._drop(node)
                 freed_full, freed_swa = freed_full + f, freed_swa + s
                 if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                    heapq.heappush(heap, (parent.full_clock, id(parent), parent))
+                    heapq.heappush(heap, (parent.full_clock, parent.serial, parent))
         if freed_swa < num_swa:
-            heap = [(n.swa_clock, id(n), n) for n in self._nodes() if n.num_live_swa and n.swa_lock_ref == 0]
+            heap = [(n.swa_clock, n.serial, n) for n in self._nodes() if n.num_live_swa and n.swa_lock_ref == 0]
             heapq.heapify(heap)
             while heap and freed_swa < num_swa:
                 node = heapq.heappop(heap)[2]
