@@ -213,9 +213,9 @@ class EngineModelConfig:
 MODEL_PRESETS: dict[str, EngineModelConfig] = {
     # CPU tests: 8 layers (full 0 and 5), window 8 so a test crosses it in a few tokens.
     "tiny": EngineModelConfig(),
-    # H200 benchmarks: ~2.9B parameters (~0.5B active), bf16; the real model's head dims, window and layer mix.
+    # H200 benchmarks: ~3.1B parameters (~1.1B active), bf16; the real model's head dims, window and layer mix.
     "mid": EngineModelConfig(
-        vocab_size=32768, hidden_size=2048, intermediate_size=8192, moe_intermediate_size=768,
+        vocab_size=32768, hidden_size=2048, intermediate_size=8192, moe_intermediate_size=512,
         num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4, head_dim=192, v_head_dim=128,
         sliding_window=128, n_routed_experts=32, num_experts_per_tok=4, n_group=1, topk_group=1,
         routed_scaling_factor=1.0, initializer_range=0.02, eos_token_id=()),

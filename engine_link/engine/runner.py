@@ -24,7 +24,7 @@ class ModelRunner:
         ids, positions, full_write, swa_write, embed_rows, embed_values = [], [], [], [], [], []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        decode, prefill = [], []  # (row, seq, start, n)
+        by_len: dict[int, list[tuple[int, Sequence, int, int]]] = {}  # q_len -> (row, seq, start, n)
         row = 0
         for seq, n in scheduled:
             start = seq.num_computed
@@ -35,13 +35,13 @@ class ModelRunner:
             for offset, values in seq.embeds_in(start, start + n):
                 embed_rows.append(torch.arange(row + offset, row + offset + values.shape[0]))
                 embed_values.append(values)
-            (decode if n == 1 else prefill).append((row, seq, start, n))
+            by_len.setdefault(n, []).append((row, seq, start, n))
             if start + n == len(seq):
                 sample_rows.append(row + n - 1)
                 sample_seqs.append(seq)
             row += n
-        groups = [self._group(decode, 1)] if decode else []
-        groups += [self._group([item], item[3]) for item in prefill]
+        # NOTE: one attention group per query length (all decodes together; equal chunks together): no padding
+        groups = [self._group(items, n) for n, items in by_len.items()]
         meta = AttnMetadata(groups, torch.cat(full_write).to(self.device), torch.cat(swa_write).to(self.device))
         embeds = None
         if embed_rows:
