@@ -35,10 +35,36 @@ class EncodeItem:
 
 @dataclass(frozen=True)
 class EncodeRequest:
+    """Items to encode. Results go back to the sender, or with `reply_to` (a ZeroMQ address, e.g. the engine's
+    receiver) are pushed there instead, each preceded by an `ItemSized` as soon as its size is known; the
+    sender then only gets an `Accepted`."""
+
     request_id: str
     items: tuple[EncodeItem, ...]
     pooling: str = "mean"
+    reply_to: str = ""
     kind: str = field(default="encode", init=False)
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Worker -> sender of a `reply_to` request: the worker has the request (its results go to reply_to)."""
+
+    request_id: str
+    kind: str = field(default="accepted", init=False)
+
+
+@dataclass(frozen=True)
+class ItemSized:
+    """Worker -> reply_to: an item's token count and grid, known after fetch/probe and before its forward, so
+    the engine can lay out the prompt while the item is still being encoded."""
+
+    request_id: str
+    index: int
+    modality: str
+    num_tokens: int
+    grid_thw: tuple[int, int, int] | None = None
+    kind: str = field(default="sized", init=False)
 
 
 @dataclass(frozen=True)
@@ -78,7 +104,8 @@ class Ping:
     kind: str = field(default="ping", init=False)
 
 
-_KINDS: dict[str, type] = {"encode": EncodeRequest, "result": ItemResult, "ready": WorkerReady, "ping": Ping}
+_KINDS: dict[str, type] = {"encode": EncodeRequest, "result": ItemResult, "ready": WorkerReady, "ping": Ping,
+                           "accepted": Accepted, "sized": ItemSized}
 
 
 def pack(msg: Any) -> bytes:
@@ -96,8 +123,12 @@ def unpack(frame: bytes | memoryview) -> Any:
         d["items"] = tuple(EncodeItem(**it) for it in d["items"])
     if cls is ItemResult:
         d["shape"] = tuple(d["shape"])
-        d["grid_thw"] = tuple(d["grid_thw"]) if d["grid_thw"] is not None else None
-    return cls(**d)
+    if cls in (ItemResult, ItemSized):
+        d["grid_thw"] = tuple(d["grid_thw"]) if d.get("grid_thw") is not None else None
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise ValueError(f"malformed {cls.__name__} header: {e}") from None
 
 
 def tensor_frame(t: torch.Tensor) -> memoryview:

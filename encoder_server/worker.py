@@ -34,7 +34,7 @@ from encoder_server.models.loader import load_vision, resolve_device, resolve_dt
 from encoder_server.scheduler import BatchScheduler
 from encoder_server.video_options import sampling_for
 from encoder_server.worker_cache import WorkerCache
-from encoder_server.worker_io import WorkerIO
+from encoder_server.worker_io import WorkerIO, destination
 from preprocess.decode import decode_images, displayed_size, resolve_backend
 from preprocess.errors import MediaError
 from preprocess.fetch import FetchPolicy
@@ -52,7 +52,7 @@ R = TypeVar("R")
 class Item:
     """One media item between its arrival and its result."""
 
-    identity: bytes
+    identity: bytes  # where its messages go: the ROUTER peer, or a reply_to address (`worker_io.destination`)
     request_id: str
     index: int
     pooling: str
@@ -74,6 +74,7 @@ class Item:
     route_key: str | None = None  # cache key known before fetching (uuid / URL / inline bytes)
     content_key: str | None = None  # cache key from the media bytes
     has_uuid: bool = False  # the client named this item; its cache entry must exist before the answer leaves
+    wants_size: bool = False  # reply_to requests: an `ItemSized` goes out before the result
 
 
 @dataclass
@@ -171,7 +172,8 @@ class EncoderWorker:
         now = time.perf_counter()
         for spec in req.items:
             metrics.ITEMS.labels(spec.modality).inc()
-            item = Item(identity, req.request_id, spec.index, req.pooling, spec.modality, now)
+            item = Item(destination(identity, req.reply_to), req.request_id, spec.index, req.pooling,
+                        spec.modality, now, wants_size=bool(req.reply_to))
             blob = next(inline).bytes if spec.inline else None
             item.has_uuid = spec.uuid is not None
             try:
@@ -244,6 +246,7 @@ class EncoderWorker:
         if item.error is not None:
             self.publish_error(item)
             return
+        self.publish_size(item)
         item.ready_at = time.perf_counter()
         self.queue_depth.inc()
         self.scheduler.put(item)
@@ -439,7 +442,15 @@ class EncoderWorker:
             sock = self._local.sock = self.io.sender()
         return sock
 
+    def publish_size(self, it: Item) -> None:
+        """Tell a reply_to receiver the item's token count (once, before its embedding)."""
+        if it.wants_size:
+            it.wants_size = False
+            sized = m.ItemSized(it.request_id, it.index, it.modality, it.num_tokens, it.grid)
+            self._sender().send_multipart([it.identity, m.pack(sized)])
+
     def publish(self, it: Item, tensor: torch.Tensor) -> None:
+        self.publish_size(it)
         header = m.ItemResult(it.request_id, it.index, dtype="float32", shape=tuple(tensor.shape), grid_thw=it.grid,
                               num_tokens=it.num_tokens,
                               timings_ms={k: round(v, 3) for k, v in it.timings_ms.items()})

@@ -1,0 +1,274 @@
+"""The engine's side of the encoder link: items go to encoder workers over the consistent-hash ring, and the
+workers push each item's size and then its embedding straight back to this process (`reply_to`).
+
+One IO thread owns every socket: a PULL bound at `address` (the `reply_to` of every request), one DEALER
+per worker (requests out, `Accepted` in) and an inproc PULL that wakes it for new submissions. The
+scheduler reads `ItemEvent`s from `events` (a `queue.Queue`): "sized" (token count and grid, before the
+forward), then "embedding" or "error" (exactly one of these per item).
+
+Reliability:
+- a worker that does not answer `Accepted` within `accept_timeout_s` is taken as unreachable: its items go
+  once to the next node of the ring; when that fails too, they fail with `unavailable` (503);
+- every item has a deadline (`item_timeout_s`); past it the item fails with `timeout` (504) and a late
+  result is dropped.
+Messages are `encoder_server.messages` headers plus raw tensor frames; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zmq
+
+from cache.ring import Ring
+from encoder_server import messages as m
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    accept_timeout_s: float = 2.0  # a worker that does not take a request this fast is skipped
+    item_timeout_s: float = 120.0  # from submission to the item's embedding
+
+    def __post_init__(self) -> None:
+        if not (self.accept_timeout_s > 0 and self.item_timeout_s > 0):
+            raise ValueError("link timeouts must be > 0")
+
+
+@dataclass
+class ItemEvent:
+    """What the link learned about one item of a submitted request."""
+
+    kind: str  # "sized" | "embedding" | "error"
+    request_id: str
+    index: int
+    modality: str = ""
+    num_tokens: int = 0
+    grid_thw: tuple[int, int, int] | None = None
+    embedding: torch.Tensor | None = None  # float32 [tokens, D] (kind "embedding")
+    error_code: str = ""
+    error_message: str = ""
+    error_status: int = 200
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    """The items of one request that went to one worker (one `EncodeRequest`)."""
+
+    request_id: str
+    items: list[m.EncodeItem]
+    blobs: dict[int, bytes]
+    pooling: str
+    node: str = ""
+    tried: set[str] = field(default_factory=set)
+    accept_by: float = math.inf
+    is_accepted: bool = False
+    open_items: set[int] = field(default_factory=set)
+
+
+class EncoderLink:
+    """Send media items to encoder workers; receive their sizes and embeddings as `events`.
+
+    Args:
+        workers: ZeroMQ addresses of the encoder workers (ring nodes).
+        address: where this process receives (`tcp://host:port` or `ipc://path`); default: a free
+            loopback TCP port. `reply_to` of every request.
+        cfg: timeouts.
+    """
+
+    def __init__(self, workers: list[str], address: str = "", cfg: LinkConfig | None = None) -> None:
+        if not workers:
+            raise ValueError("EncoderLink needs at least one worker address")
+        self.cfg = cfg or LinkConfig()
+        self.events: queue.Queue[ItemEvent] = queue.Queue()
+        self.ctx = zmq.Context.instance()
+        self._pull = self.ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        if address:
+            self._pull.bind(address)
+            self.address = address
+        else:
+            port = self._pull.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"tcp://127.0.0.1:{port}"
+        self._dealers: dict[str, zmq.Socket] = {}
+        for worker in workers:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(worker)
+            self._dealers[worker] = sock
+        self._ring = Ring(workers)
+        self._wake_address = f"inproc://link-wake-{uuid.uuid4().hex}"
+        self._wake = self.ctx.socket(zmq.PULL)
+        self._wake.bind(self._wake_address)
+        self._waker = self.ctx.socket(zmq.PUSH)
+        self._waker.connect(self._wake_address)
+        self._lock = threading.Lock()  # guards `_submitted`, `_waker`, `_is_closed`
+        self._submitted: collections.deque[tuple[str, list[m.EncodeItem], dict[int, bytes], str]] = collections.deque()
+        self._is_closed = False
+        self._groups: dict[str, _Group] = {}  # sub-request id -> group (IO thread only, like all below)
+        self._deadlines: dict[tuple[str, int], float] = {}  # (request id, index) -> monotonic deadline
+        self._group_ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="encoder-link", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, items: list[m.EncodeItem], blobs: dict[int, bytes] | None = None,
+               pooling: str = "none") -> None:
+        """Queue a request's items (thread-safe, non-blocking). `blobs`: inline bytes by item index."""
+        if not items:
+            return
+        with self._lock:
+            if self._is_closed:
+                raise RuntimeError("EncoderLink is closed")
+            self._submitted.append((request_id, list(items), dict(blobs or {}), pooling))
+            self._waker.send(b"")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._is_closed:
+                return
+            self._is_closed = True
+            if self._thread.is_alive():
+                self._waker.send(b"")
+        self._thread.join(timeout=5)
+
+    # -------------------------------------------------------------- IO thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self._pull, self._wake, *self._dealers.values()):
+            poller.register(sock, zmq.POLLIN)
+        try:
+            while True:
+                timeout = self._next_timer() - time.monotonic()
+                events = dict(poller.poll(None if timeout == math.inf else max(0, int(timeout * 1000) + 1)))
+                if self._wake in events:
+                    while self._wake.poll(0):
+                        self._wake.recv()
+                    with self._lock:
+                        if self._is_closed:
+                            break
+                        submitted, self._submitted = list(self._submitted), collections.deque()
+                    for request_id, items, blobs, pooling in submitted:
+                        self._route(request_id, items, blobs, pooling)
+                for sock in self._dealers.values():
+                    if sock in events:
+                        self._on_dealer(sock.recv_multipart())
+                if self._pull in events:
+                    self._on_result(self._pull.recv_multipart(copy=False))
+                self._expire(time.monotonic())
+        except Exception:
+            log.exception("encoder link IO thread failed")
+        finally:
+            for sock in (self._pull, self._wake, self._waker, *self._dealers.values()):
+                sock.close(linger=0)
+
+    def _route(self, request_id: str, items: list[m.EncodeItem], blobs: dict[int, bytes], pooling: str) -> None:
+        deadline = time.monotonic() + self.cfg.item_timeout_s
+        by_node: dict[str, list[m.EncodeItem]] = {}
+        for it in items:
+            by_node.setdefault(self._ring.node_for(it.route_key or uuid.uuid4().hex), []).append(it)
+            self._deadlines[(request_id, it.index)] = deadline
+        for node, group_items in by_node.items():
+            group = _Group(request_id, group_items, {i.index: blobs[i.index] for i in group_items if i.inline}, pooling)
+            group.open_items = {i.index for i in group_items}
+            self._send(group, node)
+
+    def _send(self, group: _Group, node: str) -> None:
+        sub_id = f"{group.request_id}#{next(self._group_ids)}"
+        self._groups[sub_id] = group
+        group.node, group.accept_by, group.is_accepted = node, time.monotonic() + self.cfg.accept_timeout_s, False
+        group.tried.add(node)
+        req = m.EncodeRequest(sub_id, tuple(group.items), group.pooling, reply_to=self.address)
+        blobs = [group.blobs[it.index] for it in group.items if it.inline]
+        self._dealers[node].send_multipart([m.pack(req), *blobs], copy=False)
+
+    def _on_dealer(self, frames: list[bytes]) -> None:
+        try:
+            msg = m.unpack(frames[0])
+        except ValueError as e:
+            log.warning("malformed message from a worker: %s", e)
+            return
+        if isinstance(msg, m.Accepted) and msg.request_id in self._groups:
+            self._groups[msg.request_id].is_accepted = True
+
+    def _on_result(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = m.unpack(frames[0].bytes)
+        except ValueError as e:
+            log.warning("malformed result from a worker: %s", e)
+            return
+        group = self._groups.get(getattr(msg, "request_id", ""))
+        if group is None or msg.index not in group.open_items:
+            return  # expired, retried elsewhere, or not ours
+        group.is_accepted = True  # a result implies acceptance (the Accepted may still be on its way)
+        if isinstance(msg, m.ItemSized):
+            self.events.put(ItemEvent("sized", group.request_id, msg.index, msg.modality, msg.num_tokens,
+                                      msg.grid_thw))
+            return
+        if not isinstance(msg, m.ItemResult):
+            return
+        if msg.ok:
+            array = np.array(m.frame_tensor(frames[1].buffer, msg.dtype, msg.shape)) if len(frames) > 1 else None
+            if array is None or array.ndim != 2:
+                self._fail(group, msg.index, "internal", "encoder sent a malformed embedding", 500)
+                return
+            self.events.put(ItemEvent("embedding", group.request_id, msg.index, num_tokens=msg.num_tokens,
+                                      grid_thw=msg.grid_thw, embedding=torch.from_numpy(array),
+                                      timings_ms=msg.timings_ms))
+        else:
+            self.events.put(ItemEvent("error", group.request_id, msg.index, error_code=msg.error_code or "internal",
+                                      error_message=msg.error_message or "", error_status=msg.error_status))
+        self._close_item(group, msg.index)
+
+    def _fail(self, group: _Group, index: int, code: str, message: str, status: int) -> None:
+        self.events.put(ItemEvent("error", group.request_id, index, error_code=code, error_message=message,
+                                  error_status=status))
+        self._close_item(group, index)
+
+    def _close_item(self, group: _Group, index: int) -> None:
+        group.open_items.discard(index)
+        self._deadlines.pop((group.request_id, index), None)
+        if not group.open_items:
+            for sub_id in [k for k, g in self._groups.items() if g is group]:
+                del self._groups[sub_id]
+
+    def _next_timer(self) -> float:
+        accept = min((g.accept_by for g in self._groups.values() if not g.is_accepted), default=math.inf)
+        return min(accept, min(self._deadlines.values(), default=math.inf))
+
+    def _expire(self, now: float) -> None:
+        for sub_id, group in list(self._groups.items()):
+            if group.is_accepted or group.accept_by > now or self._groups.get(sub_id) is not group:
+                continue
+            del self._groups[sub_id]  # a late Accepted or result for this sub-request is ignored
+            untried = [n for n in self._ring.nodes if n not in group.tried]
+            if untried:
+                node = Ring(untried).node_for(group.items[0].route_key or group.request_id)
+                log.warning("encoder %s did not accept request %s within %.1f s; retrying on %s", group.node,
+                            group.request_id, self.cfg.accept_timeout_s, node)
+                group.items = [it for it in group.items if it.index in group.open_items]
+                self._send(group, node)
+                continue
+            for index in list(group.open_items):
+                self._fail(group, index, "unavailable", f"no encoder worker answered (tried {sorted(group.tried)})",
+                           503)
+        for (request_id, index), deadline in list(self._deadlines.items()):
+            if deadline <= now:
+                group = next((g for g in self._groups.values()
+                              if g.request_id == request_id and index in g.open_items), None)
+                if group is not None:
+                    self._fail(group, index, "timeout", f"item not encoded within {self.cfg.item_timeout_s:g} s", 504)
+                else:
+                    del self._deadlines[(request_id, index)]
