@@ -158,8 +158,8 @@ class EngineSim:
             st["naive_claimed"] += m.naive_length
             st["unsafe_hits"] += m.naive_length > m.length
             st["unsafe_tokens"] += m.naive_length - m.length
-            if self.keep_branch and m.naive_length > m.length:  # the tree lacks the window at its branch point
-                r.keep = (max(m.length, m.naive_length - self.window + 1), m.naive_length)
+            if self.keep_branch:  # the window where the request leaves the tree, when the tree lacks it
+                r.keep = m.keep_swa
         total, pos = len(req.computed), r.borrowed
         while pos < total:  # chunked prefill, then the decode steps as one more chunk
             n = min(self.chunk, total - pos) if pos < len(req.prompt) else total - pos

@@ -96,6 +96,31 @@ def test_released_swa_limits_the_match_and_insert_refills_it():
     assert cache.full_pool.num_free() == 64 - 12  # the recomputed full slots were duplicates: freed
 
 
+def test_keep_swa_makes_a_shared_prefix_reusable():
+    """Two sessions share a system prompt. The first released the prompt's SWA, so the second's match is trimmed
+    to 0; if it keeps `keep_swa` (the window where it leaves the tree) until insert, the third gets a hit."""
+    window = 4
+    cache = _cache(window=window)
+    system = list(range(10))
+    first = system + [100, 101, 102]
+    full, swa = _request(cache, first)
+    cache.swa_pool.free(swa[:13 - window + 1])
+    swa[:13 - window + 1] = -1
+    cache.insert(first, full, swa)
+    second = system + [200, 201, 202]
+    m = cache.match_prefix(second)
+    assert (m.length, m.naive_length, m.keep_swa) == (0, 10, (7, 10))
+    full, swa = _request(cache, second)
+    released = torch.ones(13, dtype=torch.bool)
+    released[13 - window + 1:] = False
+    released[7:10] = False  # kept: the branch-point window
+    cache.swa_pool.free(swa[released])
+    swa[released] = -1
+    cache.insert(second, full, swa)
+    m = cache.match_prefix(system + [300])
+    assert (m.length, m.naive_length, m.keep_swa) == (10, 10, (0, 0))
+
+
 def test_swa_eviction_drops_a_leaf_whole():
     window = 3
     cache = _cache(window=window)
@@ -310,19 +335,20 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=10), use_cache=st.booleans())
     def start_request(self, tokens: list[int], use_cache: bool) -> None:
-        node, length = None, 0
+        node, length, keep = None, 0, (0, 0)
         full = swa = torch.empty(0, dtype=torch.int64)
         if use_cache:
             m = self.cache.match_prefix(tokens)
             self._check_match(tokens, m)
             self.cache.lock(m.node)
-            node, length, full, swa = m.node, m.length, m.full_slots, m.swa_slots
+            node, length, full, swa, keep = m.node, m.length, m.full_slots, m.swa_slots, m.keep_swa
+            assert keep == (0, 0) or length <= keep[0] < keep[1] == m.naive_length <= keep[0] + self.W - 1
         new = self._alloc(len(tokens) - length)
         if new is None:
             if node is not None:
                 self.cache.unlock(node)
             return
-        self.reqs.append({"tokens": tokens, "match_len": length, "node": node,
+        self.reqs.append({"tokens": tokens, "match_len": length, "node": node, "keep": keep,
                           "full": torch.cat([full, new[0]]), "swa": torch.cat([swa, new[1]])})
 
     @precondition(lambda self: self.history)
@@ -343,16 +369,22 @@ class RadixMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
     def release_window(self, data: st.DataObject) -> None:
-        r = data.draw(st.sampled_from(self.reqs))
-        cut = max(0, len(r["tokens"]) - self.W + 1)
-        own = r["swa"][r["match_len"]:cut]
+        self._release(data.draw(st.sampled_from(self.reqs)))
+
+    def _release(self, r: dict) -> None:
+        """Out-of-window SWA release, as the scheduler does after prefill chunks and decode steps."""
+        forget = torch.arange(len(r["tokens"])) < len(r["tokens"]) - self.W + 1
+        forget[r["keep"][0]:r["keep"][1]] = False  # the branch-point window goes to the tree at insert
+        own = r["swa"][r["match_len"]:][forget[r["match_len"]:]]
         self.cache.swa_pool.free(own)  # only its own slots; tree-owned ones are just forgotten
-        r["swa"][:cut] = -1
+        r["swa"][forget] = -1
 
     @precondition(lambda self: self.reqs)
-    @rule(data=st.data())
-    def finish(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), release=st.booleans())
+    def finish(self, data: st.DataObject, release: bool) -> None:
         r = self.reqs.pop(data.draw(st.integers(0, len(self.reqs) - 1)))
+        if release:
+            self._release(r)
         tokens, full, swa = r["tokens"], r["full"].tolist(), r["swa"].tolist()
         existing = 0
         for i in range(len(tokens)):

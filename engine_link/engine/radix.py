@@ -93,6 +93,10 @@ class PrefixMatch:
         swa_slots: int64 `[length]` SWA slots, live for the window [length-W+1, length) and -1 before it.
         node: lock handle; pass to `lock` / `unlock`.
         naive_length: tokens matched before trimming (what the naive "equal tokens" rule would reuse).
+        keep_swa: positions [lo, hi) whose own SWA slots the request should keep (not release) until `insert`:
+            the window at the point where it leaves the tree, which the tree lacks when the match was trimmed.
+            `insert` fills the tree from them, so the next request that branches there gets a window-safe hit
+            (a shared system prompt, say). (0, 0) when nothing is worth keeping. Costs <= W-1 SWA slots.
     """
 
     length: int
@@ -100,6 +104,7 @@ class PrefixMatch:
     swa_slots: torch.Tensor
     node: object
     naive_length: int = field(default=0)
+    keep_swa: tuple[int, int] = field(default=(0, 0))
 
 
 class NodeView(NamedTuple):
@@ -169,7 +174,9 @@ class SwaRadixCache:
         full_out = (torch.cat(fulls) if fulls else _EMPTY)[:length].clone()  # [L]
         swa_out = swa_all[:length].clone()  # [L]
         swa_out[:self._window_start(length)] = -1  # NOTE: only the window is handed out (and SWA-locked)
-        return PrefixMatch(length, full_out, swa_out, _Handle(node, length), swa_all.numel())
+        naive = swa_all.numel()
+        keep = (max(length, self._window_start(naive)), naive) if naive > length and self.window > 1 else (0, 0)
+        return PrefixMatch(length, full_out, swa_out, _Handle(node, length), naive, keep)
 
     def match_length(self, tokens: Sequence[int]) -> int:
         """Window-safe match length of `tokens`, without side effects (for queue ordering estimates)."""
