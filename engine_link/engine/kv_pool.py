@@ -14,7 +14,7 @@ import torch
 class SlotAllocator:
     """Free list of slot indices `0..num_slots-1` (int64, CPU).
 
-    alloc/free are O(n) tensor ops on the n slots concerned, independent of `num_slots`.
+    alloc/free cost depends on the n slots concerned, not on `num_slots`.
     A double free (a slot freed while already free) raises `ValueError` and changes nothing.
     """
 
