@@ -12,27 +12,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.common import environment, markdown_table, sync, write_results
-from engine_link.engine import LLM, MODEL_PRESETS, EngineConfig, EngineModelConfig, SamplingParams
+from engine_link.engine import LLM, EngineModelConfig, SamplingParams
 from engine_link.engine.kv_cache import KVCache
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
-
-
-def _model_config(spec: str) -> EngineModelConfig:
-    if spec in MODEL_PRESETS:
-        return MODEL_PRESETS[spec]
-    return EngineModelConfig.from_hf_dict(json.loads((Path(spec) / "config.json").read_text()))
 
 
 def kv_rows(cfg: EngineModelConfig, contexts: list[int], dtype: torch.dtype) -> list[dict[str, Any]]:
@@ -138,13 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     batches = _ints(a.batches)
     max_batch = max(batches)
     seq_len = a.prompt_len + a.decode_len
-    window = _model_config(a.model).sliding_window
-    num_swa = a.max_prefill_tokens + window + max_batch * (window + EngineConfig.swa_release_interval + 2)
     torch.manual_seed(0)
     start = time.perf_counter()
     llm = LLM(a.model, device=a.device, dtype=a.dtype, enable_prefix_cache=False, max_num_seqs=max_batch,
-              max_prefill_tokens=a.max_prefill_tokens, num_full_slots=max_batch * seq_len + 16,
-              num_swa_slots=num_swa)
+              max_prefill_tokens=a.max_prefill_tokens, num_full_slots=max_batch * seq_len + 16)
     print(f"loaded {a.model} on {llm.device} ({llm.dtype}) in {time.perf_counter() - start:.1f}s", flush=True)
     cfg = llm.model_config
     kv = kv_rows(cfg, _ints(a.contexts), llm.dtype)

@@ -230,7 +230,7 @@ class EngineConfig:
     """
 
     num_full_slots: int = 4096
-    num_swa_slots: int = 1024
+    num_swa_slots: int = 0  # 0: room for max_num_seqs requests at full window plus one chunk (`swa_slots_for`)
     max_num_seqs: int = 64
     max_prefill_tokens: int = 512  # prefill tokens per step (chunk budget); decodes come on top
     swa_release_interval: int = 4  # decode steps between releases of out-of-window SWA slots
@@ -242,7 +242,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.num_full_slots > 0 and self.num_swa_slots > 0, "KV pools need > 0 slots")
+        _require(self.num_full_slots > 0 and self.num_swa_slots >= 0, "KV pools need > 0 slots")
         _require(self.max_num_seqs > 0, "max_num_seqs must be > 0")
         _require(self.max_prefill_tokens > 0, "max_prefill_tokens must be > 0")
         _require(self.swa_release_interval > 0, "swa_release_interval must be > 0")
@@ -250,11 +250,19 @@ class EngineConfig:
         _require(self.penalty_tokens_per_s >= 0, "penalty_tokens_per_s must be >= 0")
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"unknown dtype {self.dtype!r}")
 
+    def swa_slots_for(self, model: EngineModelConfig) -> int:
+        """SWA pool size: `num_swa_slots`, or (0) what max_num_seqs decoding requests plus one chunk hold at most:
+        each keeps window - 1 positions and gains up to swa_release_interval + 1 before a release."""
+        if self.num_swa_slots:
+            return self.num_swa_slots
+        per_request = model.sliding_window + self.swa_release_interval + 1
+        return self.max_num_seqs * per_request + self.max_prefill_tokens + model.sliding_window
+
     def check_model(self, model: EngineModelConfig) -> None:
         """The SWA pool must hold one request's window plus a chunk and a release interval, or nothing runs."""
         need = model.sliding_window + self.max_prefill_tokens + self.swa_release_interval
-        _require(self.num_swa_slots >= need, f"num_swa_slots={self.num_swa_slots} is below sliding_window + "
-                 f"max_prefill_tokens + swa_release_interval = {need}")
+        _require(self.swa_slots_for(model) >= need, f"num_swa_slots={self.num_swa_slots} is below "
+                 f"sliding_window + max_prefill_tokens + swa_release_interval = {need}")
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         unknown = set(overrides) - set(self.__dataclass_fields__)

@@ -74,8 +74,8 @@ class LLM:
         self.model = load_model(model, self.device, self.dtype)
         self.model_config = self.model.cfg
         self.config.check_model(self.model_config)
-        self.kv = KVCache(self.model_config, self.config.num_full_slots, self.config.num_swa_slots, self.device,
-                          self.dtype)
+        self.kv = KVCache(self.model_config, self.config.num_full_slots, self.config.swa_slots_for(self.model_config),
+                          self.device, self.dtype)
         self.scheduler = Scheduler(self.model_config, self.config)
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.tokenizer = load_tokenizer(model)
@@ -92,6 +92,16 @@ class LLM:
             ValueError: empty prompt, token id outside the vocabulary, a bad embedding run, or a prompt plus
                 max_tokens that the full KV pool (or the position limit) cannot hold.
         """
+        return self._enqueue([self._make(prompt, params, request_id)])[0]
+
+    def _enqueue(self, seqs: list[Sequence]) -> list[str]:
+        for seq in seqs:
+            self._requests[seq.request_id] = seq
+            self.scheduler.add(seq)
+        return [seq.request_id for seq in seqs]
+
+    def _make(self, prompt: Seq[int] | Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
+        """A validated Sequence (not queued yet)."""
         params = params or SamplingParams()
         prompt = prompt if isinstance(prompt, Prompt) else Prompt(list(prompt))
         token_ids = [int(t) for t in prompt.token_ids]
@@ -114,9 +124,7 @@ class LLM:
         if not params.is_greedy:
             seq.generator = (torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None
                              else self._generator)
-        self._requests[seq.request_id] = seq
-        self.scheduler.add(seq)
-        return seq.request_id
+        return seq
 
     def _segments(self, prompt: Prompt, num_tokens: int) -> list[EmbedSegment]:
         keys = prompt.embed_keys if prompt.embed_keys is not None else [None] * len(prompt.embeds)
@@ -167,17 +175,17 @@ class LLM:
     def stream(self, prompts: Seq[Seq[int] | Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
                ) -> Iterator[StepOutput]:
         """Queue `prompts` and yield their tokens as they are generated (request ids: `StepOutput.request_id`)."""
-        for prompt, p in zip(prompts, self._params(params, len(prompts)), strict=True):
-            self.add_request(prompt, p)
+        self._enqueue([self._make(prompt, p, None) for prompt, p in zip(prompts, self._params(params, len(prompts)),
+                                                                         strict=True)])
         while self.has_unfinished():
             yield from self.step()
 
     def generate(self, prompts: Seq[Seq[int] | Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Run `prompts` to completion; outputs in prompt order."""
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, self._params(params, len(prompts)),
+        """Run `prompts` to completion; outputs in prompt order. All prompts are validated before any is queued."""
+        seqs = [self._make(prompt, p, None) for prompt, p in zip(prompts, self._params(params, len(prompts)),
                                                                  strict=True)]
-        seqs = [self._requests[i] for i in ids]
+        self._enqueue(seqs)
         while self.has_unfinished():
             self.step()
         return [self._output(seq) for seq in seqs]

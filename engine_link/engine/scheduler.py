@@ -26,7 +26,7 @@ class Scheduler:
         self.cfg, self.window = cfg, model_cfg.sliding_window
         self.eos = frozenset(model_cfg.eos_token_id)
         self.full_pool = SlotAllocator(cfg.num_full_slots)
-        self.swa_pool = SlotAllocator(cfg.num_swa_slots)
+        self.swa_pool = SlotAllocator(cfg.swa_slots_for(model_cfg))
         self.radix = (SwaRadixCache(self.full_pool, self.swa_pool, self.window) if cfg.enable_prefix_cache
                       else None)
         self.waiting: list[Sequence] = []
