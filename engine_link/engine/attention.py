@@ -116,8 +116,12 @@ class Attention(nn.Module):
             vg = v_cache[kv.slots].transpose(1, 2)  # [B, Hkv, S, Dv]
             if self.sinks is not None:
                 qg, kg, vg = self._add_sink(qg, kg, vg)
+            gqa = not qg.is_cuda
+            if not gqa:  # NOTE: CUDA's memory-efficient kernel takes a mask but not enable_gqa: expand kv heads
+                groups = self.num_heads // self.num_kv_heads
+                kg, vg = kg.repeat_interleave(groups, dim=1), vg.repeat_interleave(groups, dim=1)  # [B, H, S, .]
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=kv.mask, scale=self.scaling,
-                                               enable_gqa=True)  # [B, H, L, Dv]
+                                               enable_gqa=gqa)  # [B, H, L, Dv]
             out[g.rows] = o.transpose(1, 2).reshape(-1, self.num_heads, self.v_head_dim)
         return self.o_proj(out.view(num_tokens, -1))
 

@@ -1,0 +1,61 @@
+"""A multi-turn workload under tight pools (prefix cache, chunking, preemption all at once) gives exactly
+the tokens of a roomy engine without a prefix cache, and leaks no KV slot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_link.engine import LLM, MODEL_PRESETS, SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = MODEL_PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny shapes gain nothing from intra-op threads, and a busy 2-core box stalls them badly."""
+    num = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num)
+
+
+@pytest.fixture(scope="module")
+def roomy() -> LLM:
+    return LLM("tiny", enable_prefix_cache=False)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    """Between generate calls every used slot belongs to the prefix cache, and all of it is evictable."""
+    s = llm.scheduler
+    usage = s.usage()
+    assert usage["full_used"] == usage["full_cached"] and usage["swa_used"] == usage["swa_cached"]
+    if s.radix is not None:
+        assert s.radix.evictable_full() == usage["full_cached"]
+
+
+@pytest.mark.parametrize("setting", [
+    {"num_full_slots": 72, "num_swa_slots": 40, "max_prefill_tokens": 8, "swa_release_interval": 2},
+    {"num_full_slots": 96, "num_swa_slots": 32, "max_prefill_tokens": 5, "max_num_seqs": 3, "policy": "fcfs"},
+    {"num_full_slots": 72, "num_swa_slots": 40, "max_prefill_tokens": 8, "enable_prefix_cache": False},
+])
+def test_multi_turn_workload_under_tight_pools(setting: dict, roomy: LLM) -> None:
+    tight = LLM("tiny", **setting)
+    gen = torch.Generator().manual_seed(0)
+    conversations = [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (12, 7, 15, 3)]
+    params = [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0, max_tokens=3),
+              SamplingParams(temperature=0.8, top_k=40, max_tokens=5, seed=7), SamplingParams(temperature=0,
+                                                                                                max_tokens=8)]
+    num_cached = 0
+    for _ in range(3):
+        got = tight.generate(conversations, params)
+        expected = roomy.generate(conversations, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        num_cached += sum(o.num_cached_tokens for o in got)
+        assert_no_leak(tight)
+        conversations = [c + o.token_ids + torch.randint(0, CFG.vocab_size, (4,), generator=gen).tolist()
+                         for c, o in zip(conversations, got, strict=True)]
+    assert tight.scheduler.num_preemptions > 0
+    assert (num_cached > 0) == tight.config.enable_prefix_cache
