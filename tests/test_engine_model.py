@@ -71,6 +71,11 @@ def test_save_pretrained_loads_into_ours(tmp_path) -> None:
             if name.endswith("e_score_correction_bias"):
                 b.normal_(std=0.1)
     ref.save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(CFG.vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
     ours = load_model(str(tmp_path), torch.device("cpu"), torch.float32)
     assert ours.cfg == CFG.__class__.from_hf_dict(json.loads((tmp_path / "config.json").read_text()))
     expected = ref.state_dict()
@@ -82,6 +87,7 @@ def test_save_pretrained_loads_into_ours(tmp_path) -> None:
         logits = ref(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
     assert (out.logits - logits).abs().max().item() < 1e-4
     assert logits.argmax(-1).tolist() == out.token_ids
+    assert out.text == " ".join(f"t{t}" for t in out.token_ids)  # tokenizer.json in the directory
 
 
 def test_loader_rejects_mismatched_weights(tmp_path) -> None:
