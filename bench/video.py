@@ -5,6 +5,7 @@ Variants (all from the file's bytes in memory, readers opened inside the timed r
   ffmpeg_threads  one `VideoReader(num_threads=0)`: FFmpeg's own frame/slice threads
   naive_N         N equal runs of indices on N threads, one single-threaded reader each (no keyframe alignment)
   ours_N          `video_decode.decode_frames`: N balanced GOP-aligned chunks, one reader each, on threads
+  queue_N         N CPU decoders taking smaller GOP-aligned chunks from one queue (`decode_frames_hybrid`, no GPU)
   dali_xK         K DALI NVDEC decoders alone (needs DALI + CUDA)
   hybrid_NcKg     `video_dali.decode_frames_hybrid`: N CPU decoders and K NVDEC decoders on one chunk queue
 Frames of every CPU variant are compared with the sequential read (bit-identical expected); NVDEC frames
@@ -34,6 +35,7 @@ import torch
 
 from bench.common import environment, markdown_table, write_results
 from bench.media_make import DEFAULT_MEDIA_DIR, VideoSpec, make_video
+from preprocess.errors import MediaError
 from preprocess.video_decode import decode_frames, plan_chunks, probe_video
 from preprocess.video_sampling import VideoSampling, sample_indices
 
@@ -130,6 +132,49 @@ def _dali_note(device: torch.device) -> str:
     return ""
 
 
+def _dali_variants(data: bytes, indices: list[int], keys: tuple[int, ...], work: int, device: torch.device,
+                   dali_k: list[int], hybrids: list[tuple[int, int]], chunks_per_worker: int) -> list:
+    """The dali_xK and hybrid_NcKg variants, their decoders built and warmed up first (not timed)."""
+    from preprocess.video_dali import decode_frames_hybrid, get_pool
+
+    device_id = device.index or 0
+    max_gpu = max([*dali_k, *(g for _, g in hybrids)])
+    start = time.perf_counter()
+    get_pool(device_id).reserve(max_gpu)
+    decode_frames_hybrid(data, indices[:2], keys, 0, 1, device_id)  # warm-up: CUDA context, NVDEC session
+    print(f"DALI: {max_gpu} decoders built and warmed up in {time.perf_counter() - start:.1f} s", flush=True)
+    variants = [(f"dali_x{k}", lambda k=k: decode_frames_hybrid(data, indices, keys, 0, k, device_id,
+                                                                chunks_per_worker), work, False) for k in dali_k]
+    variants += [(f"hybrid_{c}c{g}g", lambda c=c, g=g: decode_frames_hybrid(data, indices, keys, c, g, device_id,
+                                                                           chunks_per_worker), work, False)
+                 for c, g in hybrids]
+    return variants
+
+
+def summary_line(label: str, rows: list[dict[str, Any]], seq_s: float) -> str:
+    """'SUMMARY <label>: ours 8.1 s (N=16) vs sequential 132.7 s (16.4x), ffmpeg threads ..., naive ..., hybrid ...'"""
+    timed = {r["variant"]: r for r in rows if "seconds" in r}
+    errors = [r["variant"] for r in rows if "error" in r]
+    ours = [r for name, r in timed.items() if name.startswith(("ours_", "queue_"))]
+    best = min(ours or timed.values(), key=lambda r: r["seconds"])
+    kind, _, n = best["variant"].partition("_")
+    how = f"N={n}" if kind == "ours" else f"{kind} N={n}" if n else kind
+    line = (f"SUMMARY {label}: ours {_s(best['seconds'])} ({how}) vs sequential {_s(seq_s)} "
+            f"({seq_s / best['seconds']:.1f}x)")
+    if "ffmpeg_threads" in timed:
+        line += f", ffmpeg threads {_s(timed['ffmpeg_threads']['seconds'])}"
+    naive_rows = [r for name, r in timed.items() if name.startswith("naive_")]
+    if naive_rows:
+        line += f", naive {naive_rows[0]['variant'][6:]} chunks {_s(naive_rows[0]['seconds'])}"
+    gpu_rows = [r for name, r in timed.items() if name.startswith(("hybrid_", "dali_"))]
+    if gpu_rows:
+        best_gpu = min(gpu_rows, key=lambda r: r["seconds"])
+        line += f", {best_gpu['variant']} {_s(best_gpu['seconds'])}"
+    if errors:
+        line += f"; failed: {', '.join(errors)}"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.video", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -146,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", default="4,8,16,cpu,2cpu", help="N for ours_N (cpu = this machine's cores)")
     p.add_argument("--naive-chunks", default="cpu", help="N for naive_N")
     p.add_argument("--dali-decoders", default="4", help="K for dali_xK (empty: none)")
-    p.add_argument("--hybrid", default="cpu+4,cpu+7", help="N+K for hybrid_NcKg (cpu = cores; empty: none)")
-    p.add_argument("--chunks-per-worker", type=int, default=2, help="hybrid: chunks per worker on the queue")
-    p.add_argument("--skip", default="", help="comma list of variant kinds to skip: ffmpeg_threads,naive,ours,dali,"
-                   "hybrid (sequential always runs: it is the baseline and the reference frames)")
+    p.add_argument("--queue", default="cpu", help="N for queue_N (empty: none)")
+    p.add_argument("--hybrid", default="cpu+4,cpu+7,12+4", help="N+K for hybrid_NcKg (cpu = cores; empty: none)")
+    p.add_argument("--chunks-per-worker", type=int, default=2, help="queue and hybrid: chunks per worker")
+    p.add_argument("--skip", default="", help="comma list of variant kinds to skip: ffmpeg_threads,naive,ours,queue,"
+                   "dali,hybrid (sequential always runs: it is the baseline and the reference frames)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per variant (median reported)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="DALI's GPU")
     p.add_argument("--seed", type=int, default=0)
@@ -193,26 +239,23 @@ def main(argv: list[str] | None = None) -> int:
         for n in sorted(parse_counts(a.chunks, cores)):
             variants.append((f"ours_{n}", lambda n=n: decode_frames(data, indices, n, key_indices=keys),
                              decode_work(indices, keys, plan_chunks(indices, keys, n)), True))
-    dali_note = _dali_note(device)
+    if "queue" not in skip:
+        from preprocess.video_dali import decode_frames_hybrid
+
+        for n in parse_counts(a.queue, cores):
+            variants.append((f"queue_{n}", lambda n=n: decode_frames_hybrid(data, indices, keys, n, 0,
+                                                                            chunks_per_worker=a.chunks_per_worker),
+                             decode_work(indices, keys, plan_chunks(indices, keys, n * a.chunks_per_worker)), True))
     dali_k = parse_counts(a.dali_decoders, cores) if "dali" not in skip else []
     hybrids = parse_hybrid(a.hybrid, cores) if "hybrid" not in skip else []
-    if (dali_k or hybrids) and dali_note:
+    dali_note = _dali_note(device) if dali_k or hybrids else "not asked for"
+    if not dali_note:
+        try:
+            variants += _dali_variants(data, indices, keys, work, device, dali_k, hybrids, a.chunks_per_worker)
+        except (RuntimeError, MediaError) as exc:  # e.g. no NVDEC for this codec: the CPU variants still run
+            dali_note = f"failed: {exc}"
+    if dali_note:
         print(f"DALI variants {dali_note}", flush=True)
-    elif dali_k or hybrids:
-        from preprocess.video_dali import decode_frames_hybrid, get_pool
-
-        device_id = device.index or 0
-        max_gpu = max([*dali_k, *(g for _, g in hybrids)])
-        start = time.perf_counter()
-        get_pool(device_id).reserve(max_gpu)
-        decode_frames_hybrid(data, indices[:2], keys, 0, 1, device_id)  # warm-up: NVDEC session, CUDA context
-        print(f"DALI: {max_gpu} decoders built and warmed up in {time.perf_counter() - start:.1f} s", flush=True)
-        for k in dali_k:
-            variants.append((f"dali_x{k}", lambda k=k: decode_frames_hybrid(data, indices, keys, 0, k, device_id,
-                                                                            a.chunks_per_worker), work, False))
-        for c, g in hybrids:
-            variants.append((f"hybrid_{c}c{g}g", lambda c=c, g=g: decode_frames_hybrid(
-                data, indices, keys, c, g, device_id, a.chunks_per_worker), work, False))
 
     # warm-up: libraries loaded, the file's bytes touched, one reader opened
     sequential(data, indices[:2], 1)
@@ -243,7 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     print(rows[-1], flush=True)
     identical = True
     for name, fn, variant_work, exact in variants:
-        seconds, frames = timed(fn)
+        try:
+            seconds, frames = timed(fn)
+        except (RuntimeError, MediaError) as exc:  # one broken variant does not lose the others
+            rows.append({"variant": name, "error": str(exc)[:300], "identical": False})
+            identical &= not exact
+            print(rows[-1], flush=True)
+            continue
         row: dict[str, Any] = {"variant": name, "seconds": seconds, "speedup": seq_s / seconds,
                                "work_frames": variant_work, "decode_fps": variant_work / seconds}
         frames = frames.cpu()
@@ -264,22 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(rows, ["variant", "seconds", "speedup", "work_frames", "decode_fps", "identical"]))
 
     label = f"video decode {len(indices)} frames of {info.duration_s:.0f} s {info.height}p"
-    ours = [r for r in rows if r["variant"].startswith("ours_")]
-    best = min(ours or rows, key=lambda r: r["seconds"])
-    n = best["variant"].removeprefix("ours_")
-    line = (f"SUMMARY {label}: ours {_s(best['seconds'])} (N={n}) vs sequential {_s(seq_s)} "
-            f"({seq_s / best['seconds']:.1f}x)")
-    by_name = {r["variant"]: r for r in rows}
-    if "ffmpeg_threads" in by_name:
-        line += f", ffmpeg threads {_s(by_name['ffmpeg_threads']['seconds'])}"
-    naive_rows = [r for r in rows if r["variant"].startswith("naive_")]
-    if naive_rows:
-        line += f", naive {naive_rows[0]['variant'][6:]} chunks {_s(naive_rows[0]['seconds'])}"
-    gpu_rows = [r for r in rows if r["variant"].startswith(("hybrid_", "dali_"))]
-    if gpu_rows:
-        best_gpu = min(gpu_rows, key=lambda r: r["seconds"])
-        line += f", {best_gpu['variant']} {_s(best_gpu['seconds'])}"
-    print(f"{line}; identical: {str(identical).lower()}; results in {out_path}")
+    print(f"{summary_line(label, rows, seq_s)}; identical: {str(identical).lower()}; results in {out_path}")
     return 0
 
 

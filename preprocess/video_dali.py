@@ -96,8 +96,10 @@ class DaliVideoDecoder:
             return torch.from_dlpack(out[0]).clone()  # [T, H, W, 3]
         except RuntimeError as exc:
             self._pipe = self._build()  # a failed pipeline is no longer usable
-            hint = " (DALI's CPU decoder takes VP8/VP9/MJPEG only)" if self.device_id is None else ""
-            raise DecodeError(f"DALI cannot decode video: {_reason(exc)}{hint}") from exc
+            reason = _reason(exc)
+            if self.device_id is None and "Failed to create video decoder" in reason:
+                reason += " (DALI's CPU decoder takes VP8/VP9/MJPEG only)"
+            raise DecodeError(f"DALI cannot decode video: {reason}") from exc
 
 
 def _reason(exc: BaseException) -> str:

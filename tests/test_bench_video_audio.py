@@ -17,8 +17,8 @@ TINY_VIDEO = ["--duration", "4", "--width", "64", "--height", "48", "--fps", "12
 
 
 def test_video_bench_tiny_run(tmp_path, capsys) -> None:
-    argv = [*TINY_VIDEO, "--chunks", "2,4", "--naive-chunks", "3", "--media-dir", str(tmp_path / "media"),
-            "--device", "cpu", "--out-dir", str(tmp_path), "--name", "v"]
+    argv = [*TINY_VIDEO, "--chunks", "2,4", "--naive-chunks", "3", "--queue", "2", "--media-dir",
+            str(tmp_path / "media"), "--device", "cpu", "--out-dir", str(tmp_path), "--name", "v"]
     assert bench_video.main(argv) == 0
     payload = json.loads((tmp_path / "v.json").read_text())
     assert {"video", "num_frames", "num_sampled", "decode_work_frames", "cores", "dali", "env", "rows",
@@ -26,7 +26,8 @@ def test_video_bench_tiny_run(tmp_path, capsys) -> None:
     assert payload["identical"] is True
     assert payload["num_frames"] == 48 and payload["num_sampled"] == 16
     assert payload["num_keyframes"] >= 2  # each 2 s clip starts on a keyframe
-    assert [r["variant"] for r in payload["rows"]] == ["sequential", "ffmpeg_threads", "naive_3", "ours_2", "ours_4"]
+    assert [r["variant"] for r in payload["rows"]] == ["sequential", "ffmpeg_threads", "naive_3", "ours_2", "ours_4",
+                                                       "queue_2"]
     for row in payload["rows"]:
         assert row["identical"] is True and row["seconds"] > 0 and row["speedup"] > 0
         assert 16 <= row["work_frames"] <= 48
@@ -38,7 +39,7 @@ def test_video_bench_tiny_run(tmp_path, capsys) -> None:
 def test_video_bench_takes_a_file_and_skips_variants(tmp_path) -> None:
     path = tmp_path / "clip.mp4"
     path.write_bytes(make_test_video(num_frames=60, fps=24, gop=12))
-    argv = ["--video", str(path), "--frames", "10", "--chunks", "3", "--skip", "ffmpeg_threads,naive,dali,hybrid",
+    argv = ["--video", str(path), "--frames", "10", "--chunks", "3", "--skip", "ffmpeg_threads,naive,queue,dali,hybrid",
             "--repeats", "2", "--out-dir", str(tmp_path)]
     assert bench_video.main(argv) == 0
     payload = json.loads((tmp_path / "video.json").read_text())
@@ -95,3 +96,13 @@ def test_speech_batch_is_seeded_and_distinct() -> None:
     assert np.array_equal(clips, bench_audio.speech_batch(2, seed=1, num_distinct=1))
     assert not np.allclose(clips[0], clips[1])  # same base signal, other rotation, gain and noise
     assert 0.05 < np.abs(clips).max() <= 1.0
+
+
+def test_video_summary_line_names_the_best_and_the_failures() -> None:
+    rows = [{"variant": "sequential", "seconds": 132.7}, {"variant": "ffmpeg_threads", "seconds": 43.6},
+            {"variant": "naive_16", "seconds": 15.4}, {"variant": "ours_8", "seconds": 12.0},
+            {"variant": "ours_16", "seconds": 8.1}, {"variant": "queue_16", "seconds": 8.4},
+            {"variant": "hybrid_16c4g", "seconds": 6.0}, {"variant": "dali_x4", "error": "no NVDEC"}]
+    line = bench_video.summary_line("video decode 768 frames of 3600 s 720p", rows, 132.7)
+    assert line == ("SUMMARY video decode 768 frames of 3600 s 720p: ours 8.1 s (N=16) vs sequential 132.7 s (16.4x), "
+                    "ffmpeg threads 43.6 s, naive 16 chunks 15.4 s, hybrid_16c4g 6.0 s; failed: dali_x4")
