@@ -5,9 +5,10 @@ tokens). New K/V are written to their slots first, then each query attends to K/
 full-attention layers from the full pool (positions 0..pos), SWA layers from the SWA pool (the last
 `window` positions, the query included) plus a per-head attention sink.
 
-Queries are grouped so that no group needs padding: all decode tokens (one query each) form one group;
-each prefill chunk is its own group. Each group runs one `scaled_dot_product_attention` call (math kernel
-on CPU; memory-efficient kernel with a mask on CUDA).
+Queries are grouped by query length so that no group pads queries: all decode tokens (one query each) form
+one group, prefill chunks of equal length another; keys are padded to the group's longest context and masked.
+Each group runs one `scaled_dot_product_attention` call (math kernel on CPU; the memory-efficient kernel
+with a mask on CUDA).
 
 NOTE (sinks): softmax over [scores, sink_h] with the sink column dropped equals attention over one extra
 key with a zero value whose score is sink_h. We add that key by giving q one extra channel holding

@@ -59,6 +59,7 @@ class Scheduler:
         """(sequence, number of new positions to compute) for this step's forward."""
         budget = self.cfg.max_prefill_tokens
         scheduled: list[tuple[Sequence, int]] = []
+        num_preempted = self.num_preemptions
         i = 0
         while i < len(self.running):  # NOTE: preemption pops from the end, never an already scheduled one
             seq = self.running[i]
@@ -68,6 +69,8 @@ class Scheduler:
                 budget -= n if seq.is_prefill else 0
             if seq.status is Status.RUNNING:
                 i += 1
+        if self.num_preemptions > num_preempted:
+            return scheduled  # NOTE: memory is short; admitting now would only be preempted again (thrash)
         for seq in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
