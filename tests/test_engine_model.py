@@ -126,3 +126,33 @@ def test_inputs_embeds_injection_matches_transformers() -> None:
     same = Prompt(tokens + out.token_ids + [1, 2], embeds=[(4, image), (13, audio)])
     assert llm.generate([other], SamplingParams(temperature=0, max_tokens=1))[0].num_cached_tokens < 4
     assert llm.generate([same], SamplingParams(temperature=0, max_tokens=1))[0].num_cached_tokens == 24
+
+
+def test_pending_embeds_hold_prefill_until_they_arrive() -> None:
+    llm = LLM("tiny", max_prefill_tokens=6, num_swa_slots=64)
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, CFG.vocab_size, (20,), generator=gen).tolist()
+    image, audio = torch.randn(5, CFG.hidden_size, generator=gen), torch.randn(3, CFG.hidden_size, generator=gen)
+    keys = ["image-sha", "audio-sha"]
+    params = SamplingParams(temperature=0, max_tokens=4, return_logits=True)
+    expected = LLM("tiny", enable_prefix_cache=False).generate(
+        [Prompt(tokens, embeds=[(4, image), (13, audio)])], params)[0]
+    with pytest.raises(ValueError, match="pending"):
+        llm.generate([Prompt(tokens, embeds=[(4, 5)])], params)
+    rid = llm.add_request(Prompt(tokens, embeds=[(4, 5), (13, audio)], embed_keys=keys), params)
+    for _ in range(3):
+        assert llm.step() == []
+    assert llm.scheduler.running[0].num_computed == 4  # text up to the first missing embedding
+    with pytest.raises(ValueError, match="shape"):
+        llm.add_embeds(rid, 4, image[:4])
+    llm.add_embeds(rid, 4, image)
+    out = [o.output for o in llm.stream([], None) if o.finished][0]
+    assert out.token_ids == expected.token_ids
+    assert (out.logits - expected.logits).abs().max().item() < 1e-5
+    # next turn: the media keys are known before encoding, so the cached KV covers the still-pending runs
+    turn2 = Prompt(tokens + out.token_ids + [1, 2], embeds=[(4, 5), (13, 3)], embed_keys=keys)
+    rid = llm.add_request(turn2, SamplingParams(temperature=0, max_tokens=2))
+    outs = []
+    while llm.has_unfinished():
+        outs += llm.step()
+    assert outs[-1].finished and outs[-1].output.num_cached_tokens == len(tokens) + len(out.token_ids) - 1

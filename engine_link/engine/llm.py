@@ -25,17 +25,19 @@ from engine_link.engine.loader import load_model, load_tokenizer, resolve_device
 from engine_link.engine.runner import ModelRunner
 from engine_link.engine.sampling import SamplingParams
 from engine_link.engine.scheduler import Scheduler
-from engine_link.engine.sequence import EmbedSegment, Sequence, Status
+from engine_link.engine.sequence import EmbedSegment, Sequence, Status, content_key_of
 
 
 @dataclass(frozen=True)
 class Prompt:
     """Token ids with optional embedding runs: `embeds[i] = (start, tensor [n, hidden])` replaces the token
-    embeddings of positions start..start+n-1 (the ids there are placeholders). `embed_keys[i]`, optional,
-    identifies the media of run i for the prefix cache (default: a hash of the tensor's bytes)."""
+    embeddings of positions start..start+n-1 (the ids there are placeholders). `(start, n)` queues a run that
+    is still being encoded: prefill stops before it until `LLM.add_embeds(request_id, start, tensor)`.
+    `embed_keys[i]`, optional, identifies the media of run i for the prefix cache (e.g. its content hash;
+    default: a hash of the tensor's bytes once it is there)."""
 
     token_ids: list[int]
-    embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    embeds: list[tuple[int, torch.Tensor | int]] = field(default_factory=list)
     embed_keys: list[int | bytes | str] | None = None
 
 
@@ -132,14 +134,37 @@ class LLM:
             raise ValueError("embed_keys needs one key per embedding run")
         segments, end = [], 0
         for (start, values), key in sorted(zip(prompt.embeds, keys, strict=True), key=lambda item: item[0][0]):
-            if values.dim() != 2 or values.shape[1] != self.model_config.hidden_size:
-                raise ValueError(f"embedding run at {start}: shape {tuple(values.shape)}, expected "
-                                 f"[n, {self.model_config.hidden_size}]")
-            if start < end or start + values.shape[0] > num_tokens:
-                raise ValueError(f"embedding run at {start} (+{values.shape[0]}) overlaps another or the end")
-            segments.append(EmbedSegment.of(start, values.to(self.device), key))
-            end = start + values.shape[0]
+            if isinstance(values, int):
+                length, values = values, None
+            else:
+                values = self._check_embeds(start, values)
+                length = values.shape[0]
+            if length < 1 or start < end or start + length > num_tokens:
+                raise ValueError(f"embedding run at {start} (+{length}) is empty, overlaps another or the end")
+            segments.append(EmbedSegment(start, length, values, content_key_of(key, values)))
+            end = start + length
         return segments
+
+    def _check_embeds(self, start: int, values: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        hidden = self.model_config.hidden_size
+        if values.dim() != 2 or values.shape[1] != hidden or (length is not None and values.shape[0] != length):
+            raise ValueError(f"embedding run at {start}: shape {tuple(values.shape)}, expected "
+                             f"[{length or 'n'}, {hidden}]")
+        return values.to(self.device)
+
+    def add_embeds(self, request_id: str, start: int, values: torch.Tensor) -> None:
+        """Provide a pending embedding run (queued as `(start, length)`); prefill continues past it next step.
+
+        Raises:
+            ValueError: unknown request, no pending run at `start`, or a shape other than [length, hidden].
+        """
+        seq = self._requests.get(request_id)
+        seg = next((s for s in seq.embeds if s.start == start), None) if seq is not None else None
+        if seg is None or seg.values is not None:
+            raise ValueError(f"request {request_id!r} has no pending embedding run at {start}")
+        seg.values = self._check_embeds(start, values, seg.length)
+        if seg.content_key is None:
+            seg.content_key = content_key_of(None, seg.values)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (its KV goes to the prefix cache); the next `step()` reports it finished with
@@ -182,9 +207,15 @@ class LLM:
 
     def generate(self, prompts: Seq[Seq[int] | Prompt], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Run `prompts` to completion; outputs in prompt order. All prompts are validated before any is queued."""
+        """Run `prompts` to completion; outputs in prompt order. All prompts are validated before any is queued.
+
+        Raises:
+            ValueError: as `add_request`, or a pending embedding run (use add_request / add_embeds / step).
+        """
         seqs = [self._make(prompt, p, None) for prompt, p in zip(prompts, self._params(params, len(prompts)),
                                                                  strict=True)]
+        if any(seg.values is None for seq in seqs for seg in seq.embeds):
+            raise ValueError("generate() needs every embedding run; queue pending ones with add_request()")
         self._enqueue(seqs)
         while self.has_unfinished():
             self.step()

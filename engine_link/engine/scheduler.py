@@ -63,7 +63,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):  # NOTE: preemption pops from the end, never an already scheduled one
             seq = self.running[i]
-            n = min(seq.num_pending, budget) if seq.is_prefill else 1
+            n = min(seq.ready_end(seq.num_computed) - seq.num_computed, budget if seq.is_prefill else 1)
             if n > 0 and self._reserve(seq, n):
                 scheduled.append((seq, n))
                 budget -= n if seq.is_prefill else 0
@@ -75,6 +75,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 break
             n = self._admit(seq, budget)
+            if n < 0:
+                continue  # waits for an embedding; does not hold up the others
             if n == 0:
                 break  # NOTE: keep the policy order; the head waits for memory rather than being overtaken
             scheduled.append((seq, n))
@@ -93,13 +95,18 @@ class Scheduler:
         return len(seq) - self.radix.match_prefix(seq.key_tokens()[:-1]).length
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        """Move `seq` to running with its prefix-cache match and first chunk; 0 if the pools cannot take it."""
+        """Move `seq` to running with its prefix-cache match and first chunk; the chunk's length, 0 if the pools
+        cannot take it, -1 if nothing is computable before an embedding arrives."""
         match = None
         if self.radix is not None and seq.use_prefix_cache:
             match = self.radix.match_prefix(seq.key_tokens()[:-1])  # NOTE: at least one token left to compute
             self.radix.lock(match.node)
         cached = match.length if match is not None else 0
-        n = min(len(seq) - cached, budget)
+        n = min(seq.ready_end(cached) - cached, budget)
+        if n <= 0:
+            if match is not None:
+                self.radix.unlock(match.node)
+            return -1
         if not self._can_hold(len(seq) - cached, n):
             if match is not None:
                 self.radix.unlock(match.node)

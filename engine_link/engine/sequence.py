@@ -22,32 +22,42 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(frozen=True)
+def content_key_of(key: int | bytes | str | None, values: torch.Tensor | None) -> int | None:
+    """A media identity as an int: ints pass, bytes/str are hashed, None hashes the values (None if pending)."""
+    if key is None:
+        if values is None:
+            return None
+        key = values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    if isinstance(key, int):
+        return key
+    data = key.encode() if isinstance(key, str) else key
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
+
+
+@dataclass
 class EmbedSegment:
-    """Embeddings that replace the token embeddings of positions start..start+n-1 of a prompt."""
+    """Embeddings that replace the token embeddings of positions start..start+length-1 of a prompt.
+
+    `values` is None while the embedding has not arrived (the encoder is still at work): prefill stops
+    before `start` until `LLM.add_embeds` provides it.
+    """
 
     start: int
-    values: torch.Tensor  # [n, hidden]
-    content_key: int  # identity of the media (a hash); equal keys must mean equal embeddings
-
-    @classmethod
-    def of(cls, start: int, values: torch.Tensor, content_key: int | bytes | str | None = None) -> EmbedSegment:
-        """`content_key` defaults to a hash of the values' bytes; pass the media's cache key to skip hashing."""
-        if content_key is None:
-            content_key = values.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-        if not isinstance(content_key, int):
-            data = content_key.encode() if isinstance(content_key, str) else content_key
-            content_key = int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
-        return cls(start, values, content_key)
+    length: int
+    values: torch.Tensor | None  # [length, hidden]
+    content_key: int | None  # identity of the media; equal keys must mean equal embeddings
 
     @property
     def end(self) -> int:
-        return self.start + self.values.shape[0]
+        return self.start + self.length
 
-    def key_ids(self, offset: int) -> list[int]:
+    def key_ids(self, offset: int, request_id: str) -> list[int]:
         """Prefix-cache key ids of this run: a pseudo id >= `offset` (out of vocab) from the content key, so
-        equal media share a prefix and different media never do."""
-        return [offset + self.content_key] * self.values.shape[0]
+        equal media share a prefix and different media never do. Without a key yet: unique to this request."""
+        key = self.content_key
+        if key is None:
+            key = content_key_of(f"pending:{request_id}:{self.start}", None)
+        return [offset + key] * self.length
 
 
 @dataclass
@@ -88,11 +98,17 @@ class Sequence:
     def is_prefill(self) -> bool:
         return self.num_pending > 1
 
+    def ready_end(self, start: int) -> int:
+        """Computing from position `start`, the end of what is computable now: the sequence's end, or the first
+        position (>= start) of an embedding run that has not arrived."""
+        return min([max(start, seg.start) for seg in self.embeds if seg.values is None and seg.end > start],
+                   default=len(self))
+
     def key_tokens(self) -> list[int]:
         """Prefix-cache key: the tokens, with each embedding run replaced by its content-hash pseudo ids."""
         tokens = self.tokens
         for seg in self.embeds:
-            tokens[seg.start:seg.end] = seg.key_ids(self.key_offset)
+            tokens[seg.start:seg.end] = seg.key_ids(self.key_offset, self.request_id)
         return tokens
 
     def embeds_in(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
