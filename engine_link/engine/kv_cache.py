@@ -42,36 +42,52 @@ class SlotTable:
     """Position -> slot of one request, for both pools. -1 marks a released (or never held) SWA slot.
 
     Positions below `num_borrowed` came from the prefix cache: their slots belong to the tree, never freed here.
+    Storage grows by doubling, so appending one decode position is O(1) amortized.
     """
 
     def __init__(self) -> None:
-        self.full = torch.empty(0, dtype=torch.int64)  # [num_positions]
-        self.swa = torch.empty(0, dtype=torch.int64)  # [num_positions]
+        self._full = torch.empty(0, dtype=torch.int64)  # [capacity]
+        self._swa = torch.empty(0, dtype=torch.int64)  # [capacity]
+        self._len = 0
         self.num_borrowed = 0
         self.swa_released_upto = 0  # SWA slots of positions < this are released (-1)
 
     def __len__(self) -> int:
-        return self.full.numel()
+        return self._len
+
+    @property
+    def full(self) -> torch.Tensor:
+        return self._full[:self._len]  # [num_positions] full-pool slots
+
+    @property
+    def swa(self) -> torch.Tensor:
+        return self._swa[:self._len]  # [num_positions] SWA-pool slots, -1 where released
 
     def borrow(self, full: torch.Tensor, swa: torch.Tensor) -> None:
         """Start from a prefix-cache match (slots owned by the tree)."""
-        assert len(self) == 0
-        self.full, self.swa = full.clone(), swa.clone()
+        assert self._len == 0
+        self.append(full, swa)
         self.num_borrowed = full.numel()
         missing = (swa < 0).nonzero()
         self.swa_released_upto = int(missing[-1]) + 1 if missing.numel() else 0
 
     def append(self, full: torch.Tensor, swa: torch.Tensor) -> None:
-        self.full = torch.cat([self.full, full])
-        self.swa = torch.cat([self.swa, swa])
+        end = self._len + full.numel()
+        if end > self._full.numel():
+            capacity = max(end, 2 * self._full.numel(), 16)
+            self._full = torch.cat([self._full[:self._len], torch.empty(capacity - self._len, dtype=torch.int64)])
+            self._swa = torch.cat([self._swa[:self._len], torch.empty(capacity - self._len, dtype=torch.int64)])
+        self._full[self._len:end] = full
+        self._swa[self._len:end] = swa
+        self._len = end
 
     def release_swa_before(self, position: int) -> torch.Tensor:
         """Drop SWA slots of positions < `position`; returns the ones this request owns (to free)."""
         start = self.swa_released_upto
         if position <= start:
             return torch.empty(0, dtype=torch.int64)
-        released = self.swa[max(start, self.num_borrowed):position].clone()
-        self.swa[start:position] = -1
+        released = self._swa[max(start, self.num_borrowed):position].clone()
+        self._swa[start:position] = -1
         self.swa_released_upto = position
         return released[released >= 0]
 
