@@ -7,6 +7,8 @@
    transformers `generate` on the same weights, same run. Prefill time = a run with max_tokens=1; decode
    tokens/s = B * (D - 1) / (time of a D-token run - prefill time). The baseline is skipped with a message
    when this transformers has no MiMoV2FlashForCausalLM.
+3. Waiting-queue policy: a shuffled burst of short and long requests queued at once, TTFT p50/p90 per kind
+   under "fewest-uncached" (shortest real prefill first) and "fcfs", same weights.
 """
 
 from __future__ import annotations
@@ -108,6 +110,42 @@ def throughput_rows(llm: LLM, ref: torch.nn.Module | None, batches: list[int], p
     return rows
 
 
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def policy_rows(llm: LLM, num_short: int, num_long: int, short_len: int, long_len: int, max_num_seqs: int,
+                max_prefill_tokens: int) -> list[dict[str, Any]]:
+    """TTFT of a burst of short and long requests (shuffled, all queued at once) under each waiting policy."""
+    cfg = llm.model_config
+    gen = torch.Generator().manual_seed(1)
+    lengths = [short_len] * num_short + [long_len] * num_long
+    order = torch.randperm(len(lengths), generator=gen).tolist()
+    prompts = [torch.randint(0, cfg.vocab_size, (lengths[i],), generator=gen).tolist() for i in order]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    rows = []
+    for policy in ("fewest-uncached", "fcfs"):
+        engine = LLM(llm.model, policy=policy, enable_prefix_cache=False, max_num_seqs=max_num_seqs,
+                     max_prefill_tokens=max_prefill_tokens, num_full_slots=max_num_seqs * (long_len + 8) + 16)
+        engine.generate(prompts[:2], params)  # warm-up
+        sync(llm.device)
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        makespan = time.perf_counter() - start
+        ttft = {"short": [], "long": []}
+        for prompt, out in zip(prompts, outs, strict=True):
+            ttft["short" if len(prompt) == short_len else "long"].append(out.ttft_s)
+        row: dict[str, Any] = {"policy": policy, "requests": len(prompts), "makespan_s": makespan}
+        for kind, values in ttft.items():
+            row[f"{kind}_ttft_p50_s"] = _percentile(values, 0.5)
+            row[f"{kind}_ttft_p90_s"] = _percentile(values, 0.9)
+        rows.append(row)
+        print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        del engine
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="mmenc bench engine", description=__doc__,
@@ -123,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--ref-max-batch", type=int, default=64, help="largest batch also run on transformers")
     p.add_argument("--no-reference", action="store_true")
+    p.add_argument("--policy-requests", default="48,16" if cuda else "24,8",
+                   help="short,long requests of the waiting-policy burst (0,0: skip)")
+    p.add_argument("--policy-lens", default="256,8192" if cuda else "16,192", help="short,long prompt lengths")
+    p.add_argument("--policy-max-seqs", type=int, default=16 if cuda else 4)
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--name", default="engine")
     a = p.parse_args(argv)
@@ -142,19 +184,36 @@ def main(argv: list[str] | None = None) -> int:
     ref = None if a.no_reference else _reference(llm)
     rows = throughput_rows(llm, ref, batches, a.prompt_len, a.decode_len, a.iters, a.ref_max_batch)
     num_params = sum(t.numel() for t in llm.model.parameters())
+    num_experts = sum(t.numel() for n, t in llm.model.named_parameters() if ".experts." in n)
+    active = num_params - num_experts + num_experts * cfg.num_experts_per_tok // cfg.n_routed_experts
+    for row in rows:  # 2 FLOP per active parameter per token (attention scores not counted)
+        row["prefill_tflops"] = 2 * active * row["prefill_tok_s"] / 1e12
+        row["decode_tflops"] = 2 * active * row["decode_tok_s"] / 1e12
+    has_reference = ref is not None
+    del ref  # free its memory before the policy runs
+    (num_short, num_long), (short_len, long_len) = _ints(a.policy_requests), _ints(a.policy_lens)
+    policy = (policy_rows(llm, num_short, num_long, short_len, long_len, a.policy_max_seqs, a.max_prefill_tokens)
+              if num_short + num_long else [])
     payload = {"bench": "engine", "model": a.model, "dtype": str(llm.dtype).removeprefix("torch."),
-               "params": num_params, "layers": cfg.num_hidden_layers, "full_layers": len(cfg.full_layers),
-               "sliding_window": cfg.sliding_window, "reference": ref is not None, "env": environment(llm.device),
-               "argv": argv if argv is not None else sys.argv[1:], "kv": kv, "rows": rows}
+               "params": num_params, "active_params": active, "layers": cfg.num_hidden_layers,
+               "full_layers": len(cfg.full_layers), "sliding_window": cfg.sliding_window,
+               "reference": has_reference, "env": environment(llm.device),
+               "argv": argv if argv is not None else sys.argv[1:], "kv": kv, "rows": rows,
+               "policy": policy}
     path = write_results(a.name, a.out_dir, payload)
-    cols = ["batch", "prompt", "decode", "prefill_tok_s", "decode_tok_s", "ref_prefill_tok_s", "ref_decode_tok_s",
-            "prefill_speedup", "decode_speedup", "same_tokens"]
+    cols = ["batch", "prompt", "decode", "prefill_tok_s", "decode_tok_s", "prefill_tflops", "ref_prefill_tok_s",
+            "ref_decode_tok_s", "prefill_speedup", "decode_speedup", "same_tokens"]
     print(markdown_table(rows, cols))
+    if policy:
+        print(markdown_table(policy, ["policy", "requests", "makespan_s", "short_ttft_p50_s", "short_ttft_p90_s",
+                                      "long_ttft_p50_s", "long_ttft_p90_s"]))
     best = max(rows, key=lambda r: r["decode_tok_s"])
     long = kv[-1]
     print(f"SUMMARY engine {a.model} {payload['dtype']}: KV {long['hybrid_B_per_tok'] / 1024:.1f} KiB/token at "
           f"{long['context']} ({long['ratio']:.3f} of all-full); decode {best['decode_tok_s']:.0f} tok/s at batch "
           f"{best['batch']}" + (f" ({best['decode_speedup']:.1f}x transformers)" if "decode_speedup" in best else "")
+          + (f"; short-request TTFT p90 {policy[0]['short_ttft_p90_s'] * 1e3:.0f} ms fewest-uncached vs "
+             f"{policy[1]['short_ttft_p90_s'] * 1e3:.0f} ms fcfs" if policy else "")
           + f"; results in {path}")
     return 0
 

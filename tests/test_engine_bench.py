@@ -18,7 +18,8 @@ def test_bench_engine_tiny(tmp_path, capsys) -> None:
     torch.set_num_threads(1)
     try:
         rc = main(["--model", "tiny", "--device", "cpu", "--batches", "1,3", "--prompt-len", "12", "--decode-len", "4",
-                   "--iters", "1", "--out-dir", str(tmp_path)])
+                   "--iters", "1", "--policy-requests", "4,2", "--policy-lens", "8,40", "--policy-max-seqs", "2",
+                   "--out-dir", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
@@ -31,4 +32,6 @@ def test_bench_engine_tiny(tmp_path, capsys) -> None:
     for row in payload["rows"]:
         assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
         assert row["same_tokens"] == 1.0  # greedy outputs equal transformers generate on the same weights
+    assert [r["policy"] for r in payload["policy"]] == ["fewest-uncached", "fcfs"]
+    assert all(r["short_ttft_p90_s"] > 0 and r["long_ttft_p90_s"] > 0 for r in payload["policy"])
     assert "SUMMARY engine tiny" in capsys.readouterr().out

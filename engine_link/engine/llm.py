@@ -22,6 +22,7 @@ import torch
 from engine_link.engine.config import EngineConfig
 from engine_link.engine.kv_cache import KVCache
 from engine_link.engine.loader import load_model, load_tokenizer, resolve_device, resolve_dtype
+from engine_link.engine.model import MiMoV2FlashForCausalLM
 from engine_link.engine.runner import ModelRunner
 from engine_link.engine.sampling import SamplingParams
 from engine_link.engine.scheduler import Scheduler
@@ -51,6 +52,7 @@ class RequestOutput:
     num_preemptions: int
     text: str | None = None
     logits: torch.Tensor | None = None  # [num_generated, V] float32 when SamplingParams.return_logits
+    ttft_s: float | None = None  # seconds from add_request to the first token
 
 
 @dataclass
@@ -64,23 +66,29 @@ class StepOutput:
 
 class LLM:
     """Args:
-        model: a preset name ("tiny", "mid") or a transformers `save_pretrained` directory.
+        model: a preset name ("tiny", "mid"), a transformers `save_pretrained` directory, or a loaded model
+            (its device and dtype win over the `device`/`dtype` options).
         **overrides: `EngineConfig` fields (num_full_slots, num_swa_slots, max_num_seqs, max_prefill_tokens,
             enable_prefix_cache, policy, device, dtype, seed, ...).
     """
 
-    def __init__(self, model: str = "tiny", **overrides: Any) -> None:
+    def __init__(self, model: str | MiMoV2FlashForCausalLM = "tiny", **overrides: Any) -> None:
         self.config = EngineConfig().with_overrides(**overrides)
-        self.device = resolve_device(self.config.device)
-        self.dtype = resolve_dtype(self.config.dtype, self.device)
-        self.model = load_model(model, self.device, self.dtype)
+        if isinstance(model, MiMoV2FlashForCausalLM):  # share loaded weights (e.g. to compare engine settings)
+            self.model = model
+            param = next(model.parameters())
+            self.device, self.dtype = param.device, param.dtype
+        else:
+            self.device = resolve_device(self.config.device)
+            self.dtype = resolve_dtype(self.config.dtype, self.device)
+            self.model = load_model(model, self.device, self.dtype)
         self.model_config = self.model.cfg
         self.config.check_model(self.model_config)
         self.kv = KVCache(self.model_config, self.config.num_full_slots, self.config.swa_slots_for(self.model_config),
                           self.device, self.dtype)
         self.scheduler = Scheduler(self.model_config, self.config)
         self.runner = ModelRunner(self.model, self.kv, self.device)
-        self.tokenizer = load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model) if isinstance(model, str) else None
         self._generator = torch.Generator(self.device).manual_seed(self.config.seed)
         self._requests: dict[str, Sequence] = {}  # unfinished requests
         self._aborted: list[Sequence] = []  # aborted since the last step
@@ -228,8 +236,9 @@ class LLM:
     def _output(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.output) if self.tokenizer is not None else None
         logits = torch.stack(seq.logits) if seq.logits else None
+        ttft = seq.first_token_at - seq.arrival if seq.first_token_at is not None else None
         return RequestOutput(seq.request_id, seq.prompt, list(seq.output), seq.finish_reason, seq.num_cached,
-                             seq.num_preemptions, text, logits)
+                             seq.num_preemptions, text, logits, ttft)
 
     @staticmethod
     def _params(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
