@@ -9,7 +9,7 @@ import torch
 
 from engine_link.engine import LLM, MODEL_PRESETS, EngineModelConfig, Prompt, SamplingParams
 from engine_link.engine.config import default_layer_types
-from engine_link.engine.loader import load_model
+from engine_link.engine.loader import load_model, save_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -88,6 +88,19 @@ def test_save_pretrained_loads_into_ours(tmp_path) -> None:
     assert (out.logits - logits).abs().max().item() < 1e-4
     assert logits.argmax(-1).tolist() == out.token_ids
     assert out.text == " ".join(f"t{t}" for t in out.token_ids)  # tokenizer.json in the directory
+
+
+def test_save_model_loads_into_transformers_and_back(tmp_path) -> None:
+    from transformers import MiMoV2FlashForCausalLM
+
+    ours = load_model("tiny", torch.device("cpu"), torch.float32)
+    save_model(ours, tmp_path)
+    again = load_model(str(tmp_path), torch.device("cpu"), torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values(), strict=True))
+    ref = MiMoV2FlashForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    expected = ref.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, expected[name].to(tensor.dtype)), name
 
 
 def test_loader_rejects_mismatched_weights(tmp_path) -> None:

@@ -68,6 +68,38 @@ def checkpoint_to_model_names(state: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
+def model_to_checkpoint_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `checkpoint_to_model_names`: per-expert weights and `attention_sink_bias`, as transformers saves."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)  # [E, I, D] each
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate[e].contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up[e].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for e in range(tensor.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
+        else:
+            out[name.replace("self_attn.sinks", "self_attn.attention_sink_bias")] = tensor.contiguous()
+    return out
+
+
+def save_model(model: MiMoV2FlashForCausalLM, directory: str | Path) -> None:
+    """Write config.json and model.safetensors in transformers' checkpoint layout (`from_pretrained` reads it)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2))
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(model_to_checkpoint_names(state), str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
 def load_state(model: MiMoV2FlashForCausalLM, state: dict[str, torch.Tensor], source: str) -> None:
     """Strict load: a missing, unexpected or mis-shaped tensor is a ValueError naming it."""
     if model.cfg.tie_word_embeddings:
