@@ -156,9 +156,11 @@ def test_pending_embeds_hold_prefill_until_they_arrive() -> None:
     for _ in range(3):
         assert llm.step() == []
     assert llm.scheduler.running[0].num_computed == 4  # text up to the first missing embedding
+    assert llm.has_unfinished() and not llm.has_runnable()
     with pytest.raises(ValueError, match="shape"):
         llm.add_embeds(rid, 4, image[:4])
     llm.add_embeds(rid, 4, image)
+    assert llm.has_runnable()
     out = [o.output for o in llm.stream([], None) if o.finished][0]
     assert out.token_ids == expected.token_ids
     assert (out.logits - expected.logits).abs().max().item() < 1e-5

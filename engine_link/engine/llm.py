@@ -186,6 +186,11 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted)
 
+    def has_runnable(self) -> bool:
+        """Whether `step()` can make progress now (False while every request waits for an embedding): a serving
+        loop blocks on its inbox when this is False."""
+        return self.scheduler.has_runnable() or bool(self._aborted)
+
     # ------------------------------------------------------------------------------------------- loop
     def step(self) -> list[StepOutput]:
         """One forward. Returns the new token of every request that got one, and the requests aborted since the

@@ -41,6 +41,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_runnable(self) -> bool:
+        """Whether a step can make progress: some request is not blocked on an embedding that has not arrived."""
+        return any(seq.ready_end(seq.num_computed) > seq.num_computed for seq in self.running + self.waiting)
+
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a waiting or running request with reason "abort"; None if it is not here."""
         for seq in self.waiting:
