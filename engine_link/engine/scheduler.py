@@ -43,7 +43,10 @@ class Scheduler:
 
     def has_runnable(self) -> bool:
         """Whether a step can make progress: some request is not blocked on an embedding that has not arrived."""
-        return any(seq.ready_end(seq.num_computed) > seq.num_computed for seq in self.running + self.waiting)
+        if any(seq.ready_end(seq.num_computed) > seq.num_computed for seq in self.running):
+            return True
+        starts = ((seq, len(seq) - self._uncached_estimate(seq)) for seq in self.waiting)  # after a cache hit
+        return any(seq.ready_end(start) > start for seq, start in starts)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a waiting or running request with reason "abort"; None if it is not here."""
