@@ -63,4 +63,6 @@ class ModelRunner:
         starts = [start for _, _, start, _ in items]
         full = [seq.slots.full[:start + n] for _, seq, start, n in items]
         swa = [seq.slots.swa[max(0, start - self.window + 1):start + n] for _, seq, start, n in items]
+        if any(bool((table < 0).any()) for table in swa):  # NOTE: slot -1 would silently read another row
+            raise RuntimeError("internal error: released SWA KV inside a query's window")
         return build_group(rows, starts, q_len, full, swa, self.window, self.device)
