@@ -171,3 +171,29 @@ def test_pending_embeds_hold_prefill_until_they_arrive() -> None:
     while llm.has_unfinished():
         outs += llm.step()
     assert outs[-1].finished and outs[-1].output.num_cached_tokens == len(tokens) + len(out.token_ids) - 1
+
+
+def test_mid_head_shapes_match_transformers(tmp_path) -> None:
+    """The mid/real head layout: q/k 192 (64 rotary channels, padded to 200 with the sink), v 128, one group."""
+    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+    cfg = EngineModelConfig(vocab_size=256, hidden_size=96, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=192,
+                            v_head_dim=128, sliding_window=5, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                            topk_group=1, routed_scaling_factor=1.0, initializer_range=0.05)
+    hf_cfg = MiMoV2FlashConfig(**cfg.to_hf_dict())
+    torch.manual_seed(5)
+    ref = MiMoV2FlashForCausalLM(hf_cfg)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_()
+    ref.save_pretrained(tmp_path)
+    ref = MiMoV2FlashForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    prompt = torch.randint(0, 256, (13,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = LLM(str(tmp_path), max_prefill_tokens=4).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=9, return_logits=True))[0]
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
+    assert (out.logits - logits).abs().max().item() < 1e-4
+    assert logits.argmax(-1).tolist() == out.token_ids
