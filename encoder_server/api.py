@@ -45,7 +45,7 @@ class EmbeddingsRequest:
 
 
 @dataclass(frozen=True)
-class _Part:
+class MediaPart:
     modality: str
     source: str  # URL / local path / "data:..." / "" (uuid only, or inline audio)
     uuid: str | None = None
@@ -57,7 +57,7 @@ _PART_FIELDS = {"image_url": "image", "video_url": "video", "audio_url": "audio"
 AUDIO_FORMATS = ("wav", "mp3", "flac")
 
 
-def _item_part(part: Any, param: str, policy: FetchPolicy, prep: PreprocessConfig) -> _Part:
+def parse_media_part(part: Any, param: str, policy: FetchPolicy, prep: PreprocessConfig) -> MediaPart:
     """One input entry: a URL string (an image) or a content part `image_url` / `video_url` / `audio_url` /
     `input_audio`, with an optional client `uuid`. With a uuid the media may be omitted (source "") when the
     client expects its embedding to be cached. Video parts may carry qwen-vl-utils sampling options
@@ -65,7 +65,7 @@ def _item_part(part: Any, param: str, policy: FetchPolicy, prep: PreprocessConfi
     `video_url` object.
     """
     if isinstance(part, str):
-        return _Part("image", part)
+        return MediaPart("image", part)
     if isinstance(part, int | list):
         raise ApiError(400, f"{param}: token-id input is not supported; this model embeds images, video and audio",
                        param=param, code="unsupported_content")
@@ -80,7 +80,7 @@ def _item_part(part: Any, param: str, policy: FetchPolicy, prep: PreprocessConfi
     if uuid is not None and (not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_UUID_CHARS):
         raise ApiError(400, f"{param}: uuid must be a string of 1..{MAX_UUID_CHARS} characters", param=param)
     if kind == "input_audio":
-        return _Part("audio", "", uuid, inline=_input_audio(part.get("input_audio"), param, policy))
+        return MediaPart("audio", "", uuid, inline=_input_audio(part.get("input_audio"), param, policy))
     modality, inner = _PART_FIELDS[kind], part.get(kind)
     url = inner.get("url") if isinstance(inner, dict) else inner
     options = None
@@ -91,9 +91,9 @@ def _item_part(part: Any, param: str, policy: FetchPolicy, prep: PreprocessConfi
         except ValueError as e:
             raise ApiError(400, f"{param}: {e}", param=param, code="bad_video_options") from None
     if isinstance(url, str):
-        return _Part(modality, url, uuid, options)
+        return MediaPart(modality, url, uuid, options)
     if url is None and uuid is not None:
-        return _Part(modality, "", uuid, options)
+        return MediaPart(modality, "", uuid, options)
     raise ApiError(400, f"{param}: {kind} needs a 'url' string (or a uuid of cached media)", param=param)
 
 
@@ -148,23 +148,32 @@ def parse_embeddings_request(body: Any, policy: FetchPolicy, max_items: int,
     items: list[m.EncodeItem] = []
     inline: dict[int, bytes] = {}
     for i, entry in enumerate(entries):
-        param = f"input[{i}]"
-        part = _item_part(entry, param, policy, prep)
-        try:
-            if part.source:
-                check_source(part.source, policy)
-            if part.inline is not None or part.source.startswith("data:"):
-                inline[i] = part.inline if part.inline is not None else decode_data_uri(part.source, policy.max_bytes)
-                route = route_key(uuid=part.uuid, inline=inline[i])
-                items.append(m.EncodeItem(i, part.modality, "data:", inline=True, route_key=route, uuid=part.uuid,
-                                          options=part.options))
-            else:
-                route = route_key(uuid=part.uuid, url=part.source or None)
-                items.append(m.EncodeItem(i, part.modality, part.source, route_key=route, uuid=part.uuid,
-                                          options=part.options))
-        except MediaError as e:
-            raise ApiError(e.status, f"{param}: {e.message}", param=param, code=e.code) from None
+        item, blob = encode_item(parse_media_part(entry, f"input[{i}]", policy, prep), i, f"input[{i}]", policy)
+        items.append(item)
+        if blob is not None:
+            inline[i] = blob
     return EmbeddingsRequest(items, inline, encoding_format, pooling, model)
+
+
+def encode_item(part: MediaPart, index: int, param: str, policy: FetchPolicy) -> tuple[m.EncodeItem, bytes | None]:
+    """The `EncodeItem` of a media part (and its inline bytes): source checked, `data:` decoded, route key set.
+
+    Raises:
+        ApiError: a forbidden or malformed source, named by `param`.
+    """
+    try:
+        if part.source:
+            check_source(part.source, policy)
+        if part.inline is not None or part.source.startswith("data:"):
+            blob = part.inline if part.inline is not None else decode_data_uri(part.source, policy.max_bytes)
+            route = route_key(uuid=part.uuid, inline=blob)
+            return m.EncodeItem(index, part.modality, "data:", inline=True, route_key=route, uuid=part.uuid,
+                                options=part.options), blob
+        route = route_key(uuid=part.uuid, url=part.source or None)
+        return m.EncodeItem(index, part.modality, part.source, route_key=route, uuid=part.uuid,
+                            options=part.options), None
+    except MediaError as e:
+        raise ApiError(e.status, f"{param}: {e.message}", param=param, code=e.code) from None
 
 
 def _encode(array: np.ndarray, fmt: str) -> Any:

@@ -215,6 +215,40 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True)
+class EngineArgs:
+    """The bundled prefill/decode engine behind `/v1/chat/completions` and `/v1/completions`."""
+
+    llm: str = "tiny"  # MiMo-V2-Flash preset (`tiny`, `mid`), a save_pretrained directory, or "none" (no chat)
+    llm_device: str = "auto"
+    llm_dtype: str = "auto"
+    llm_kv_tokens: int = 16384  # full-attention KV pool (token slots); the SWA pool is sized from the batch limits
+    llm_max_num_seqs: int = 64
+    llm_max_prefill_tokens: int = 512  # prefill chunk budget per step
+    llm_prefix_cache: bool = True
+    llm_policy: str = "fewest-uncached"  # waiting-queue order: fewest-uncached | fcfs
+    max_completion_tokens: int = 4096  # per request; larger asks are refused
+    engine_port: int = 0  # 0: the engine listens on a local ipc socket
+
+    def __post_init__(self) -> None:
+        from engine_link.engine.config import MODEL_PRESETS, POLICIES
+
+        _require(self.llm in ("none", *MODEL_PRESETS) or Path(self.llm).is_dir(),
+                 f"llm {self.llm!r} is neither 'none', a preset {sorted(MODEL_PRESETS)} nor a local directory")
+        _require(self.llm_dtype in ("auto", "float32", "bfloat16", "float16"), f"bad llm_dtype {self.llm_dtype!r}")
+        _require(self.llm_kv_tokens > 0 and self.llm_max_num_seqs > 0 and self.llm_max_prefill_tokens > 0,
+                 "engine limits must be > 0")
+        _require(self.llm_policy in POLICIES, f"llm_policy must be one of {POLICIES}")
+        _require(self.max_completion_tokens > 0, "max_completion_tokens must be > 0")
+        _require(0 <= self.engine_port < 65536, f"engine_port out of range: {self.engine_port}")
+
+    def overrides(self) -> dict[str, Any]:
+        """`EngineConfig` fields for `LLM(model, **overrides)`."""
+        return dict(device=self.llm_device, dtype=self.llm_dtype, num_full_slots=self.llm_kv_tokens,
+                    max_num_seqs=self.llm_max_num_seqs, max_prefill_tokens=self.llm_max_prefill_tokens,
+                    enable_prefix_cache=self.llm_prefix_cache, policy=self.llm_policy)
+
+
+@dataclass(frozen=True)
 class ServerArgs:
     """The gateway and its limits. Nested configs are flattened into CLI flags by field name."""
 
@@ -232,6 +266,7 @@ class ServerArgs:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
     fetch: FetchConfig = field(default_factory=FetchConfig)
+    engine: EngineArgs = field(default_factory=EngineArgs)
 
     def __post_init__(self) -> None:
         _require(0 <= self.port < 65536, f"port out of range: {self.port}")

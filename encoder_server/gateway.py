@@ -1,4 +1,5 @@
-"""The HTTP gateway (aiohttp): `/v1/embeddings`, `/v1/models`, `/health`.
+"""The HTTP gateway (aiohttp): `/v1/embeddings`, `/v1/models`, `/health`, `/metrics`, and the chat routes
+(`gateway_chat`).
 
 Every error leaves as OpenAI-shaped JSON with a 4xx/5xx status; no stack trace ever reaches a client.
 """
@@ -6,7 +7,6 @@ Every error leaves as OpenAI-shaped JSON with a 4xx/5xx status; no stack trace e
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, Protocol
@@ -17,6 +17,9 @@ from encoder_server import messages as m
 from encoder_server import metrics
 from encoder_server.api import ApiError, build_embeddings_response, parse_embeddings_request
 from encoder_server.config import ServerArgs
+from encoder_server.engine_client import EngineClient
+from encoder_server.gateway_chat import ENGINE, add_routes, chat_model_name
+from encoder_server.http_common import ARGS, json_body
 from encoder_server.worker import fetch_policy
 from encoder_server.worker_client import ItemOutput, WorkerClient, WorkerUnavailable
 
@@ -32,7 +35,6 @@ class WorkerPicker(Protocol):
 
 
 FLEET = web.AppKey("fleet", WorkerPicker)
-ARGS = web.AppKey("args", ServerArgs)
 
 
 def _error(exc: ApiError) -> web.Response:
@@ -66,16 +68,6 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return _error(ApiError(500, "internal server error", code="internal"))
 
 
-async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:
-        raise ApiError(400, "empty request body; expected JSON")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
-
-
 async def _encode_group(fleet: WorkerPicker, client: WorkerClient, items: list[m.EncodeItem], inline: dict[int, bytes],
                         pooling: str, timeout_s: float) -> dict[int, ItemOutput]:
     blobs = [inline[it.index] for it in items if it.inline]
@@ -89,7 +81,7 @@ async def _encode_group(fleet: WorkerPicker, client: WorkerClient, items: list[m
 async def embeddings(request: web.Request) -> web.Response:
     args = request.app[ARGS]
     start = time.perf_counter()
-    body = await _json_body(request)
+    body = await json_body(request)
     req = parse_embeddings_request(body, fetch_policy(args.fetch), args.max_items_per_request, args.preprocess)
     parse_ms = (time.perf_counter() - start) * 1e3
     fleet = request.app[FLEET]
@@ -112,8 +104,10 @@ async def embeddings(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     args = request.app[ARGS]
-    return web.json_response({"object": "list", "data": [
-        {"id": args.model_name, "object": "model", "created": 0, "owned_by": "mmenc"}]})
+    data = [{"id": args.model_name, "object": "model", "created": 0, "owned_by": "mmenc"}]
+    if request.app.get(ENGINE) is not None:
+        data.append({"id": chat_model_name(args.engine.llm), "object": "model", "created": 0, "owned_by": "mmenc"})
+    return web.json_response({"object": "list", "data": data})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -121,19 +115,28 @@ async def health(request: web.Request) -> web.Response:
                 "pid": c.ready.pid if c.ready else None,
                 "error": c.dead_reason, "inflight_items": c.num_inflight_items} for c in request.app[FLEET].clients]
     ok = any(w["ready"] for w in workers)
-    return web.json_response({"status": "ok" if ok else "unavailable", "workers": workers},
-                             status=200 if ok else 503)
+    body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "workers": workers}
+    if (engine := request.app.get(ENGINE)) is not None:
+        ready = engine.ready
+        body["engine"] = {"address": engine.address, "ready": ready is not None, "pid": ready.pid if ready else None,
+                          "error": engine.dead_reason, "running": ready.num_requests if ready else 0,
+                          "kv_full_used": ready.kv_full_used if ready else 0,
+                          "kv_swa_used": ready.kv_swa_used if ready else 0}
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def metrics_text(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-def build_app(args: ServerArgs, fleet: WorkerPicker) -> web.Application:
-    """The aiohttp app over `fleet` (anything with `clients` and `pick`)."""
+def build_app(args: ServerArgs, fleet: WorkerPicker, engine: EngineClient | None = None) -> web.Application:
+    """The aiohttp app over `fleet` (anything with `clients` and `pick`) and, for the chat routes, `engine`."""
     app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=args.max_body_bytes)
     app[ARGS] = args
     app[FLEET] = fleet
+    if engine is not None:
+        app[ENGINE] = engine
+    add_routes(app)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)

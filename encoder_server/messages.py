@@ -51,6 +51,7 @@ class Accepted:
     """Worker -> sender of a `reply_to` request: the worker has the request (its results go to reply_to)."""
 
     request_id: str
+    pid: int = 0  # the worker process (a different pid later means it restarted and lost the request)
     kind: str = field(default="accepted", init=False)
 
 

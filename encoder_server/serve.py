@@ -9,6 +9,8 @@ from pathlib import Path
 from aiohttp import web
 
 from encoder_server.config import ServerArgs
+from encoder_server.engine_client import EngineUnavailable
+from encoder_server.engine_supervisor import EngineSupervisor
 from encoder_server.fleet import Fleet
 from encoder_server.gateway import build_app
 from encoder_server.logs import set_process_name, setup_logging
@@ -33,6 +35,12 @@ def sample_data_uri() -> str:
 def banner(args: ServerArgs) -> str:
     base = f"http://{args.host}:{args.port}"
     image = sample_data_uri()
+    chat = "" if args.engine.llm == "none" else f"""\
+  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "What is this?"}},
+         {{"type": "image_url", "image_url": {{"url": "{image}"}}}}]}}], "max_tokens": 16}}'
+
+"""
     return f"""
 mmenc is serving {args.model_name} ({args.worker.vision_model}) on {base}
 
@@ -42,7 +50,7 @@ mmenc is serving {args.model_name} ({args.worker.vision_model}) on {base}
   .venv/bin/python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
 print(len(c.embeddings.create(model='{args.model_name}', input=['{image}']).data[0].embedding))"
 
-  health: {base}/health   models: {base}/v1/models   stop: Ctrl-C
+{chat}  health: {base}/health   models: {base}/v1/models   stop: Ctrl-C
 """
 
 
@@ -51,16 +59,26 @@ def serve(args: ServerArgs, run_dir: Path) -> None:
     setup_logging(args.log_level)
     set_process_name("mmenc-serve")
     fleet = Fleet(args, run_dir)
-    app = build_app(args, fleet)
+    engine = (EngineSupervisor(args, run_dir, [s.address for s in fleet.slots]) if args.engine.llm != "none"
+              else None)
+    app = build_app(args, fleet, engine.client if engine else None)
 
     async def start_fleet(app: web.Application) -> None:
         await fleet.start()
         ready = fleet.slots[0].client.ready
         log.info("%d worker(s) ready: %s, embedding dim %d", len(fleet.slots),
                  ", ".join(s.device for s in fleet.slots), ready.out_dim if ready else -1)
+        if engine is not None:
+            try:
+                await engine.start()
+            except EngineUnavailable:
+                await fleet.stop()
+                raise
         print(banner(args), flush=True)
 
     async def stop_fleet(app: web.Application) -> None:
+        if engine is not None:
+            await engine.stop()
         await fleet.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -70,5 +88,7 @@ def serve(args: ServerArgs, run_dir: Path) -> None:
         web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     except WorkerUnavailable as e:
         raise SystemExit(f"mmenc: error: the encoder fleet did not start: {e} (see the log above)") from None
+    except EngineUnavailable as e:
+        raise SystemExit(f"mmenc: error: the engine did not start: {e} (see the log above)") from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

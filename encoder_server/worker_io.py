@@ -122,7 +122,7 @@ class WorkerIO:
                             msg.reply_to[:100])
                 return
             if msg.reply_to:
-                self._router.send_multipart([identity, m.pack(m.Accepted(msg.request_id))])
+                self._router.send_multipart([identity, m.pack(m.Accepted(msg.request_id, self.ready.pid))])
             self.on_request(identity, msg, payload)
         else:
             log.warning("unexpected %s from %s", type(msg).__name__, identity.hex())

@@ -7,8 +7,9 @@ scheduler reads `ItemEvent`s from `events` (a `queue.Queue`): "sized" (token cou
 forward), then "embedding" or "error" (exactly one of these per item).
 
 Reliability:
-- a worker that does not answer `Accepted` within `accept_timeout_s` is taken as unreachable: its items go
-  once to the next node of the ring; when that fails too, they fail with `unavailable` (503);
+- a worker that does not answer `Accepted` within `accept_timeout_s`, or that has items of ours and stops
+  answering pings for `lost_after_s` (it died), is taken as unreachable: its open items go once to the next
+  node of the ring; when that fails too, they fail with `unavailable` (503);
 - every item has a deadline (`item_timeout_s`); past it the item fails with `timeout` (504) and a late
   result is dropped.
 Messages are `encoder_server.messages` headers plus raw tensor frames; nothing is pickled.
@@ -40,10 +41,13 @@ log = logging.getLogger(__name__)
 class LinkConfig:
     accept_timeout_s: float = 2.0  # a worker that does not take a request this fast is skipped
     item_timeout_s: float = 120.0  # from submission to the item's embedding
+    ping_interval_s: float = 1.0  # workers holding our items are pinged this often
+    lost_after_s: float = 4.0  # ... and taken as dead when silent this long
 
     def __post_init__(self) -> None:
-        if not (self.accept_timeout_s > 0 and self.item_timeout_s > 0):
-            raise ValueError("link timeouts must be > 0")
+        if not (self.accept_timeout_s > 0 and self.item_timeout_s > 0 and self.ping_interval_s > 0
+                and self.lost_after_s > self.ping_interval_s):
+            raise ValueError("link timeouts must be > 0 and lost_after_s > ping_interval_s")
 
 
 @dataclass
@@ -74,7 +78,9 @@ class _Group:
     node: str = ""
     tried: set[str] = field(default_factory=set)
     accept_by: float = math.inf
+    sent_at: float = 0.0
     is_accepted: bool = False
+    pid: int = 0  # the worker process that accepted it (a restarted worker has lost it)
     open_items: set[int] = field(default_factory=set)
 
 
@@ -86,13 +92,15 @@ class EncoderLink:
         address: where this process receives (`tcp://host:port` or `ipc://path`); default: a free
             loopback TCP port. `reply_to` of every request.
         cfg: timeouts.
+        events: the queue to put `ItemEvent`s on (default: a new one), e.g. one the caller also feeds.
     """
 
-    def __init__(self, workers: list[str], address: str = "", cfg: LinkConfig | None = None) -> None:
+    def __init__(self, workers: list[str], address: str = "", cfg: LinkConfig | None = None,
+                 events: queue.Queue | None = None) -> None:
         if not workers:
             raise ValueError("EncoderLink needs at least one worker address")
         self.cfg = cfg or LinkConfig()
-        self.events: queue.Queue[ItemEvent] = queue.Queue()
+        self.events: queue.Queue[ItemEvent] = events if events is not None else queue.Queue()
         self.ctx = zmq.Context.instance()
         self._pull = self.ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -120,6 +128,8 @@ class EncoderLink:
         self._groups: dict[str, _Group] = {}  # sub-request id -> group (IO thread only, like all below)
         self._deadlines: dict[tuple[str, int], float] = {}  # (request id, index) -> monotonic deadline
         self._group_ids = itertools.count()
+        self._last_seen: dict[str, float] = {}  # worker -> when it last sent anything on its DEALER
+        self._next_ping = math.inf
         self._thread = threading.Thread(target=self._run, name="encoder-link", daemon=True)
         self._thread.start()
 
@@ -162,12 +172,14 @@ class EncoderLink:
                         submitted, self._submitted = list(self._submitted), collections.deque()
                     for request_id, items, blobs, pooling in submitted:
                         self._route(request_id, items, blobs, pooling)
-                for sock in self._dealers.values():
+                for node, sock in self._dealers.items():
                     if sock in events:
-                        self._on_dealer(sock.recv_multipart())
+                        self._last_seen[node] = time.monotonic()
+                        self._on_dealer(node, sock.recv_multipart())
                 if self._pull in events:
                     self._on_result(self._pull.recv_multipart(copy=False))
                 self._expire(time.monotonic())
+                self._ping(time.monotonic())
         except Exception:
             log.exception("encoder link IO thread failed")
         finally:
@@ -188,20 +200,28 @@ class EncoderLink:
     def _send(self, group: _Group, node: str) -> None:
         sub_id = f"{group.request_id}#{next(self._group_ids)}"
         self._groups[sub_id] = group
-        group.node, group.accept_by, group.is_accepted = node, time.monotonic() + self.cfg.accept_timeout_s, False
+        now = time.monotonic()
+        group.node, group.accept_by, group.sent_at = node, now + self.cfg.accept_timeout_s, now
+        group.is_accepted, group.pid = False, 0
         group.tried.add(node)
+        self._next_ping = min(self._next_ping, now + self.cfg.ping_interval_s)
         req = m.EncodeRequest(sub_id, tuple(group.items), group.pooling, reply_to=self.address)
         blobs = [group.blobs[it.index] for it in group.items if it.inline]
         self._dealers[node].send_multipart([m.pack(req), *blobs], copy=False)
 
-    def _on_dealer(self, frames: list[bytes]) -> None:
+    def _on_dealer(self, node: str, frames: list[bytes]) -> None:
         try:
             msg = m.unpack(frames[0])
         except ValueError as e:
             log.warning("malformed message from a worker: %s", e)
             return
         if isinstance(msg, m.Accepted) and msg.request_id in self._groups:
-            self._groups[msg.request_id].is_accepted = True
+            group = self._groups[msg.request_id]
+            group.is_accepted, group.pid = True, msg.pid
+        elif isinstance(msg, m.WorkerReady):
+            for group in self._groups.values():
+                if group.node == node and group.is_accepted and group.pid and group.pid != msg.pid:
+                    group.sent_at = -math.inf  # NOTE: restarted since it accepted: our items died with it
 
     def _on_result(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -246,18 +266,35 @@ class EncoderLink:
 
     def _next_timer(self) -> float:
         accept = min((g.accept_by for g in self._groups.values() if not g.is_accepted), default=math.inf)
-        return min(accept, min(self._deadlines.values(), default=math.inf))
+        return min(accept, self._next_ping, min(self._deadlines.values(), default=math.inf))
+
+    def _ping(self, now: float) -> None:
+        """Ping the workers that hold accepted items of ours (their answers refresh `_last_seen`)."""
+        if now < self._next_ping:
+            return
+        nodes = {g.node for g in self._groups.values() if g.is_accepted}
+        for node in nodes:
+            self._dealers[node].send(m.pack(m.Ping()))
+        self._next_ping = now + self.cfg.ping_interval_s if self._groups else math.inf
+
+    def _is_lost(self, group: _Group, now: float) -> bool:
+        if not group.is_accepted:
+            return group.accept_by <= now
+        if group.sent_at == -math.inf:
+            return True
+        return now - max(self._last_seen.get(group.node, 0.0), group.sent_at) > self.cfg.lost_after_s
 
     def _expire(self, now: float) -> None:
         for sub_id, group in list(self._groups.items()):
-            if group.is_accepted or group.accept_by > now or self._groups.get(sub_id) is not group:
+            if self._groups.get(sub_id) is not group or not self._is_lost(group, now):
                 continue
             del self._groups[sub_id]  # a late Accepted or result for this sub-request is ignored
             untried = [n for n in self._ring.nodes if n not in group.tried]
             if untried:
                 node = Ring(untried).node_for(group.items[0].route_key or group.request_id)
-                log.warning("encoder %s did not accept request %s within %.1f s; retrying on %s", group.node,
-                            group.request_id, self.cfg.accept_timeout_s, node)
+                log.warning("encoder %s %s request %s; retrying on %s", group.node,
+                            "stopped answering with" if group.is_accepted else "did not accept", group.request_id,
+                            node)
                 group.items = [it for it in group.items if it.index in group.open_items]
                 self._send(group, node)
                 continue
