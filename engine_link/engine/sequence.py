@@ -81,6 +81,7 @@ class Sequence:
     num_preemptions: int = 0
     first_token_at: float | None = None
     steps_since_release: int = 0
+    _key: tuple | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> list[int]:
@@ -104,12 +105,19 @@ class Sequence:
         return min([max(start, seg.start) for seg in self.embeds if seg.values is None and seg.end > start],
                    default=len(self))
 
-    def key_tokens(self) -> list[int]:
-        """Prefix-cache key: the tokens, with each embedding run replaced by its content-hash pseudo ids."""
-        tokens = self.tokens
-        for seg in self.embeds:
-            tokens[seg.start:seg.end] = seg.key_ids(self.key_offset, self.request_id)
-        return tokens
+    def key_tokens(self) -> torch.Tensor:
+        """Prefix-cache key [len]: the tokens, each embedding run replaced by its content-key pseudo ids.
+
+        NOTE: cached while the sequence and its embedding keys do not change (waiting requests are matched
+        every step to order the queue).
+        """
+        version = (len(self), tuple(seg.content_key for seg in self.embeds))
+        if self._key is None or self._key[0] != version:
+            tokens = self.tokens
+            for seg in self.embeds:
+                tokens[seg.start:seg.end] = seg.key_ids(self.key_offset, self.request_id)
+            self._key = (version, torch.tensor(tokens, dtype=torch.int64))
+        return self._key[1]
 
     def embeds_in(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
         """(offset from `start`, values) of embedding rows that fall in positions start..end-1."""
