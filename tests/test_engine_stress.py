@@ -59,3 +59,33 @@ def test_multi_turn_workload_under_tight_pools(setting: dict, roomy: LLM) -> Non
                          for c, o in zip(conversations, got, strict=True)]
     assert tight.scheduler.num_preemptions > 0
     assert (num_cached > 0) == tight.config.enable_prefix_cache
+
+
+def test_random_aborts_under_pressure_leave_no_slot_behind(roomy: LLM) -> None:
+    tight = LLM("tiny", num_full_slots=64, num_swa_slots=36, max_prefill_tokens=6, swa_release_interval=2)
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, CFG.vocab_size, (10,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, CFG.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 20, (10,), generator=gen)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    ids = [tight.add_request(p, params) for p in prompts]
+    to_abort = {ids[i] for i in (1, 4, 7)}
+    finished, step = {}, 0
+    while tight.has_unfinished():
+        step += 1
+        if step in (2, 5, 9):
+            tight.abort(sorted(to_abort)[(2, 5, 9).index(step)])
+        finished.update({o.request_id: o.output for o in tight.step() if o.finished})
+        usage = tight.scheduler.usage()
+        assert usage["full_used"] <= tight.config.num_full_slots and usage["swa_used"] <= 36
+    assert set(finished) == set(ids)
+    expected = roomy.generate(prompts, params)
+    for rid, exp in zip(ids, expected, strict=True):
+        if rid in to_abort:
+            assert finished[rid].finish_reason == "abort"
+            assert finished[rid].token_ids == exp.token_ids[:len(finished[rid].token_ids)]
+        else:
+            assert finished[rid].token_ids == exp.token_ids
+    assert_no_leak(tight)
+    tight.scheduler.radix.evict(10**6, 10**6)  # everything cached is evictable: the pools drain to empty
+    assert tight.scheduler.usage()["full_used"] == 0 and tight.scheduler.usage()["swa_used"] == 0
