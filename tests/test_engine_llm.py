@@ -2,7 +2,7 @@
 
 Each check teacher-forces transformers on prompt + generated tokens in one full forward: our greedy token
 at every step must be its argmax, and our logits must be within ATOL of its logits at that position.
-Measured max |diff| on these tests: ~3e-6 (logits of magnitude ~3).
+Measured max |diff| on these tests: 5.4e-6 (logits of magnitude up to ~4).
 """
 
 from __future__ import annotations
