@@ -131,6 +131,8 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llm) -> None:
 def test_bad_inputs_raise_clear_errors(llm) -> None:
     with pytest.raises(ValueError, match="empty prompt"):
         llm.add_request([], greedy(2))
+    with pytest.raises(ValueError, match="list of prompts"):
+        llm.generate([1, 2, 3], greedy(2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.add_request([1, CFG.vocab_size], greedy(2))
     with pytest.raises(ValueError, match="outside the vocabulary"):

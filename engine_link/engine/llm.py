@@ -113,6 +113,9 @@ class LLM:
     def _make(self, prompt: Seq[int] | Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
         """A validated Sequence (not queued yet)."""
         params = params or SamplingParams()
+        if isinstance(prompt, int | str):
+            raise ValueError(f"a prompt is a list of token ids or a Prompt, got {type(prompt).__name__} "
+                             "(generate() takes a list of prompts)")
         prompt = prompt if isinstance(prompt, Prompt) else Prompt(list(prompt))
         token_ids = [int(t) for t in prompt.token_ids]
         cfg = self.model_config
