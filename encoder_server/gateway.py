@@ -7,6 +7,7 @@ Every error leaves as OpenAI-shaped JSON with a 4xx/5xx status; no stack trace e
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from typing import Any, Protocol
@@ -35,6 +36,7 @@ class WorkerPicker(Protocol):
 
 
 FLEET = web.AppKey("fleet", WorkerPicker)
+INFLIGHT = web.AppKey("inflight", list)  # [requests in flight], mutated only on the event loop
 
 
 def _error(exc: ApiError) -> web.Response:
@@ -49,6 +51,31 @@ async def metrics_middleware(request: web.Request, handler: Any) -> web.StreamRe
     metrics.REQUESTS.labels(route, str(response.status)).inc()
     metrics.REQUEST_SECONDS.labels(route).observe(time.perf_counter() - start)
     return response
+
+
+_OPEN_ROUTES = ("/health", "/metrics")
+
+
+@web.middleware
+async def admission_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """API key check, then a bound on requests in flight: past it, 429 + Retry-After at once (no queue grows)."""
+    args = request.app[ARGS]
+    if request.path in _OPEN_ROUTES:
+        return await handler(request)
+    if args.api_key:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {args.api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)", code="invalid_api_key")
+    state = request.app[INFLIGHT]
+    if state[0] >= args.max_inflight_requests:
+        metrics.ERRORS.labels("overloaded").inc()
+        return web.json_response(ApiError(429, f"server busy: {state[0]} requests in flight; retry shortly",
+                                          code="overloaded").body(), status=429, headers={"Retry-After": "1"})
+    state[0] += 1
+    try:
+        return await handler(request)
+    finally:
+        state[0] -= 1
 
 
 @web.middleware
@@ -131,8 +158,10 @@ async def metrics_text(request: web.Request) -> web.Response:
 
 def build_app(args: ServerArgs, fleet: WorkerPicker, engine: EngineClient | None = None) -> web.Application:
     """The aiohttp app over `fleet` (anything with `clients` and `pick`) and, for the chat routes, `engine`."""
-    app = web.Application(middlewares=[metrics_middleware, error_middleware], client_max_size=args.max_body_bytes)
+    app = web.Application(middlewares=[metrics_middleware, error_middleware, admission_middleware],
+                          client_max_size=args.max_body_bytes)
     app[ARGS] = args
+    app[INFLIGHT] = [0]
     app[FLEET] = fleet
     if engine is not None:
         app[ENGINE] = engine

@@ -85,7 +85,8 @@ def serve(args: ServerArgs, run_dir: Path) -> None:
     app.on_startup.append(start_fleet)
     app.on_cleanup.append(stop_fleet)
     try:
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+        # NOTE: a deep accept backlog, so a burst of connections waits for an answer instead of being reset
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, backlog=4096)
     except WorkerUnavailable as e:
         raise SystemExit(f"mmenc: error: the encoder fleet did not start: {e} (see the log above)") from None
     except EngineUnavailable as e:

@@ -32,7 +32,9 @@ class ServerProcess:
         # NOTE: each test server gets its own cache arena (unless told to share one), removed on stop(),
         # so a cache left by another test or an earlier run cannot answer for it.
         self.cache_name = cache_name or f"mmenc-cache-test-{os.getpid()}-{self.port}"
-        self.flags = ["--cache-name", self.cache_name, "--cache-bytes", str(64 << 20), *flags]
+        # NOTE: no chat engine unless a test asks for one (`--llm tiny`): it would only slow the start.
+        engine = [] if "--llm" in flags else ["--llm", "none"]
+        self.flags = ["--cache-name", self.cache_name, "--cache-bytes", str(64 << 20), *engine, *flags]
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"mmenc-test-{self.port}.log"
