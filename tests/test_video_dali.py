@@ -38,7 +38,8 @@ def vp9() -> bytes:
     code = ("import sys; from bench.media_make import encode_clip; "
             "sys.stdout.buffer.write(encode_clip(48, 128, 96, 24, codec='libvpx-vp9', container='webm', crf=20, "
             "gop=12))")
-    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=60).stdout
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=60, cwd=root).stdout
 
 
 def _assert_close_and_right_frames(frames: torch.Tensor, data: bytes, indices: list[int]) -> None:
