@@ -65,6 +65,7 @@ class ItemSized:
     modality: str
     num_tokens: int
     grid_thw: tuple[int, int, int] | None = None
+    content_key: str = ""  # the embedding's cache key (media bytes + params + encoder), when known: a prefix-cache key
     kind: str = field(default="sized", init=False)
 
 

@@ -224,8 +224,9 @@ class EncoderWorker:
             item.num_tokens = tokens.shape[0]
         item.timings_ms["cache"] = (time.perf_counter() - item.arrived) * 1e3
         full = tokens.reshape(-1, tokens.shape[-1]).float()  # [tokens, D]
+        is_content_hit, item.content_key = item.content_key is not None, key
         self.publish(item, full.mean(0) if item.pooling == "mean" else full)
-        if self.cache is not None and item.route_key and item.content_key:
+        if self.cache is not None and item.route_key and is_content_hit:
             self.cache.alias(item.route_key, key)
         return True
 
@@ -446,7 +447,7 @@ class EncoderWorker:
         """Tell a reply_to receiver the item's token count (once, before its embedding)."""
         if it.wants_size:
             it.wants_size = False
-            sized = m.ItemSized(it.request_id, it.index, it.modality, it.num_tokens, it.grid)
+            sized = m.ItemSized(it.request_id, it.index, it.modality, it.num_tokens, it.grid, it.content_key or "")
             self._sender().send_multipart([it.identity, m.pack(sized)])
 
     def publish(self, it: Item, tensor: torch.Tensor) -> None:

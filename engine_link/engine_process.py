@@ -6,9 +6,11 @@ loop below only reads that queue and steps the `LLM`:
 
     handle everything in the inbox (block on it when idle) -> llm.step() -> stream each request's new tokens
 
-A request with media waits until every item's embedding has arrived, then its prompt is laid out (one
-placeholder run per item, of the item's token count) and admitted; a failed item fails its request with
-the item's own status and reason. Stop strings are matched on the decoded text.
+Overlap: a request with media is laid out and admitted as soon as every item's size is known (workers send
+it right after fetch/probe, before the forward): one placeholder run per item, of its token count, keyed
+for the prefix cache by the embedding's cache key. The LLM prefills the text up to the first run whose
+embedding is still missing; each embedding is injected the moment it arrives. A failed item fails its
+request with the item's own status and reason. Stop strings are matched on the decoded text.
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ class _Request:
     msg: p.Generate
     params: SamplingParams
     arrived: float
-    embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
+    sizes: dict[int, tuple[int, str]] = field(default_factory=dict)  # item -> (tokens, content key)
+    embeddings: dict[int, torch.Tensor] = field(default_factory=dict)  # arrived before admission
     modality: dict[int, str] = field(default_factory=dict)
+    run_start: dict[int, int] = field(default_factory=dict)  # item -> first position of its run (once admitted)
+    num_embedded: int = 0
     is_admitted: bool = False
     prompt_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
@@ -111,7 +116,7 @@ class EngineServer:
 
     def run(self) -> None:
         while True:
-            block = not self.llm.has_unfinished()
+            block = not self.llm.has_runnable()
             try:
                 event = self.inbox.get(block=block)
             except queue.Empty:
@@ -124,7 +129,7 @@ class EngineServer:
                     event = self.inbox.get_nowait()
                 except queue.Empty:
                     event = None
-            if self.llm.has_unfinished():
+            if self.llm.has_runnable():
                 for out in self.llm.step():
                     self.on_step(out)
 
@@ -170,15 +175,32 @@ class EngineServer:
 
     def on_item(self, ev: ItemEvent) -> None:
         req = self.requests.get(ev.request_id)
-        if req is None or req.is_admitted:
+        if req is None:
             return  # failed or aborted already
         if ev.kind == "error":
             self.fail(req, ev.error_code, ev.error_message, ev.error_status, item=ev.index)
-        elif ev.kind == "embedding":
-            req.embeddings[ev.index] = self.projector(req.modality[ev.index], ev.embedding)  # [tokens, hidden]
-            if len(req.embeddings) == len(req.msg.items):
-                req.timings_ms["encode"] = (time.perf_counter() - req.arrived) * 1e3
+        elif ev.kind == "sized":
+            req.sizes[ev.index] = (ev.num_tokens, ev.content_key)
+            if len(req.sizes) == len(req.msg.items):
+                req.timings_ms["sized"] = (time.perf_counter() - req.arrived) * 1e3
                 self.admit(req)
+        elif ev.kind == "embedding":
+            embedding = self.projector(req.modality[ev.index], ev.embedding)  # [tokens, hidden]
+            if req.is_admitted:
+                self.inject(req, ev.index, embedding)
+            else:
+                req.embeddings[ev.index] = embedding
+
+    def inject(self, req: _Request, item: int, embedding: torch.Tensor) -> None:
+        """Hand an arrived embedding to the LLM (prefill continues past its run at the next step)."""
+        try:
+            self.llm.add_embeds(req.msg.request_id, req.run_start[item], embedding)
+        except ValueError as e:  # e.g. a token count other than the size the worker announced
+            self.fail(req, "internal", f"embedding does not fit its placeholder run: {e}", 500, item=item)
+            return
+        req.num_embedded += 1
+        if req.num_embedded == len(req.msg.items):
+            req.timings_ms["encode"] = (time.perf_counter() - req.arrived) * 1e3
 
     def on_abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -187,25 +209,30 @@ class EngineServer:
 
     # ------------------------------------------------------------------------------------------ engine
     def admit(self, req: _Request) -> None:
-        """Lay out the prompt and hand it to the LLM (or fail the request with a 400 saying why)."""
+        """Lay out the prompt (placeholder runs of the announced sizes) and hand it to the LLM; embeddings that
+        already arrived go in at once, the others when they come. A 400 says why a prompt cannot run."""
         msg = req.msg
-        embeds: list[tuple[int, torch.Tensor]] = []
+        embeds: list[tuple[int, int]] = []
+        keys: list[str | None] = []
         if msg.turns is not None:
             turns = [Turn(t["role"], tuple(t["parts"])) for t in msg.turns]
-            sizes = {i: e.shape[0] for i, e in req.embeddings.items()}
-            ids, runs = render_chat(turns, sizes, req.modality, self.tok)
-            embeds = [(run.start, req.embeddings[run.item]) for run in runs]
+            ids, runs = render_chat(turns, {i: n for i, (n, _) in req.sizes.items()}, req.modality, self.tok)
+            embeds = [(run.start, run.length) for run in runs]
+            keys = [req.sizes[run.item][1] or None for run in runs]
+            req.run_start = {run.item: run.start for run in runs}
         elif msg.prompt_token_ids is not None:
             ids = list(msg.prompt_token_ids)
         else:
             ids = self.tok.encode(msg.prompt_text or "")
         req.prompt_tokens = len(ids)
         try:
-            self.llm.add_request(Prompt(ids, embeds), req.params, request_id=msg.request_id)
+            self.llm.add_request(Prompt(ids, embeds, keys if embeds else None), req.params, request_id=msg.request_id)
         except ValueError as e:
             self.fail(req, "invalid_request", str(e), 400)
             return
         req.is_admitted = True
+        for item, embedding in list(req.embeddings.items()):
+            self.inject(req, item, embedding)
         req.embeddings.clear()
 
     def on_step(self, out: StepOutput) -> None:
@@ -239,7 +266,8 @@ class EngineServer:
             timings_ms={k: round(v, 3) for k, v in req.timings_ms.items()}))
 
     def fail(self, req: _Request, code: str, message: str, status: int, item: int | None = None) -> None:
-        self.requests.pop(req.msg.request_id, None)
+        if self.requests.pop(req.msg.request_id, None) is not None and req.is_admitted:
+            self.llm.abort(req.msg.request_id)  # e.g. one of its items failed after the text was prefilled
         self.io.send(req.identity, p.TokenDelta(req.msg.request_id, finished=True, error_code=code,
                                                 error_message=message, error_status=status, error_item=item))
 

@@ -61,6 +61,7 @@ class ItemEvent:
     num_tokens: int = 0
     grid_thw: tuple[int, int, int] | None = None
     embedding: torch.Tensor | None = None  # float32 [tokens, D] (kind "embedding")
+    content_key: str = ""  # kind "sized": the embedding's cache key, when the worker knows it
     error_code: str = ""
     error_message: str = ""
     error_status: int = 200
@@ -235,7 +236,7 @@ class EncoderLink:
         group.is_accepted = True  # a result implies acceptance (the Accepted may still be on its way)
         if isinstance(msg, m.ItemSized):
             self.events.put(ItemEvent("sized", group.request_id, msg.index, msg.modality, msg.num_tokens,
-                                      msg.grid_thw))
+                                      msg.grid_thw, content_key=msg.content_key))
             return
         if not isinstance(msg, m.ItemResult):
             return
