@@ -182,6 +182,14 @@ class FetchConfig:
             _require(Path(self.allowed_local_media_dir).is_dir(),
                      f"allowed_local_media_dir {self.allowed_local_media_dir!r} is not a directory")
 
+    def policy(self):  # noqa: ANN201 - a preprocess.fetch.FetchPolicy
+        """The fetch policy these settings describe (what may be fetched, how much, how long)."""
+        from preprocess.fetch import FetchPolicy
+
+        return FetchPolicy(max_bytes=self.max_download_bytes, timeout_s=self.fetch_timeout_s,
+                           max_redirects=self.max_redirects, allow_private=self.allow_private_urls,
+                           allowed_local_dir=self.allowed_local_media_dir)
+
 
 @dataclass(frozen=True)
 class WorkerConfig:

@@ -21,7 +21,6 @@ from encoder_server.config import ServerArgs
 from encoder_server.engine_client import EngineClient
 from encoder_server.gateway_chat import ENGINE, add_routes, chat_model_name
 from encoder_server.http_common import ARGS, json_body
-from encoder_server.worker import fetch_policy
 from encoder_server.worker_client import ItemOutput, WorkerClient, WorkerUnavailable
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ async def embeddings(request: web.Request) -> web.Response:
     args = request.app[ARGS]
     start = time.perf_counter()
     body = await json_body(request)
-    req = parse_embeddings_request(body, fetch_policy(args.fetch), args.max_items_per_request, args.preprocess)
+    req = parse_embeddings_request(body, args.fetch.policy(), args.max_items_per_request, args.preprocess)
     parse_ms = (time.perf_counter() - start) * 1e3
     fleet = request.app[FLEET]
     try:

@@ -29,7 +29,6 @@ from encoder_server.chat_api import (
 )
 from encoder_server.engine_client import EngineClient, EngineUnavailable
 from encoder_server.http_common import ARGS, json_body
-from encoder_server.worker import fetch_policy
 from engine_link import protocol as p
 
 log = logging.getLogger(__name__)
@@ -53,7 +52,7 @@ def _engine(request: web.Request) -> EngineClient:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     args = request.app[ARGS]
     engine = _engine(request)
-    req = parse_chat_request(await json_body(request), fetch_policy(args.fetch), args.preprocess,
+    req = parse_chat_request(await json_body(request), args.fetch.policy(), args.preprocess,
                              args.max_items_per_request, args.engine.max_completion_tokens)
     return await _respond(request, engine, req, chat=True)
 

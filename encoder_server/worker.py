@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
@@ -35,82 +34,17 @@ from encoder_server.scheduler import BatchScheduler
 from encoder_server.video_options import sampling_for
 from encoder_server.worker_cache import WorkerCache
 from encoder_server.worker_io import WorkerIO, destination
+from encoder_server.worker_items import InFlight, Item, Prepared, to_host
 from preprocess.decode import decode_images, displayed_size, resolve_backend
 from preprocess.errors import MediaError
-from preprocess.fetch import FetchPolicy
 from preprocess.fetch_pool import FetchPool, FetchResult, FetchTask
 from preprocess.image import preprocess_images, smart_resize, to_device
 from preprocess.media_read import AudioRead, VideoRead
 from preprocess.video import preprocess_video
-from preprocess.video_sampling import VideoSampling, frame_size
+from preprocess.video_sampling import frame_size
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
-
-
-@dataclass
-class Item:
-    """One media item between its arrival and its result."""
-
-    identity: bytes  # where its messages go: the ROUTER peer, or a reply_to address (`worker_io.destination`)
-    request_id: str
-    index: int
-    pooling: str
-    modality: str
-    arrived: float
-    ready_at: float = 0.0
-    blob: bytes | None = None  # compressed, for decoding on the device
-    image: torch.Tensor | None = None  # uint8 [3, H, W] once decoded
-    frames: torch.Tensor | None = None  # video: uint8 [T, H, W, 3], the sampled frames
-    sampling: VideoSampling | None = None  # video: how its frames were picked and are sized
-    waveform: torch.Tensor | None = None  # audio: float32 [N] at 16 kHz
-    window_tokens: list[int] = field(default_factory=list)  # audio: tokens kept per 30 s window
-    error: MediaError | None = None
-    grid: tuple[int, int, int] | None = None  # image / video: (t, h, w) in patches
-    num_patches: int = 0  # encoder input positions: the scheduler's token budget counts these
-    num_tokens: int = 0  # embedding rows after the merger / the audio encoder
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    key_variant: str = ""  # what besides the media and the server's settings changes the embedding
-    route_key: str | None = None  # cache key known before fetching (uuid / URL / inline bytes)
-    content_key: str | None = None  # cache key from the media bytes
-    has_uuid: bool = False  # the client named this item; its cache entry must exist before the answer leaves
-    wants_size: bool = False  # reply_to requests: an `ItemSized` goes out before the result
-
-
-@dataclass
-class Prepared:
-    """A batch whose model inputs are ready (or being uploaded) on the device."""
-
-    items: list[Item]
-    inputs: EncodeInputs
-    ready: torch.cuda.Event | None
-    started: float
-
-
-@dataclass
-class InFlight:
-    """A launched forward whose results are being copied to (pinned) host memory."""
-
-    items: list[Item]
-    pooled: torch.Tensor  # [N, D] host; valid once the copy event has passed
-    tokens: torch.Tensor | None  # [T, D] host, model dtype: for pooling "none" and for the cache
-    lengths: list[int]  # output tokens per item
-    started: float
-    events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None  # start, end, copies done
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """Device -> pinned host copy that does not block; valid after an event recorded later has passed."""
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
-
-
-def fetch_policy(cfg: FetchConfig) -> FetchPolicy:
-    return FetchPolicy(max_bytes=cfg.max_download_bytes, timeout_s=cfg.fetch_timeout_s,
-                       max_redirects=cfg.max_redirects, allow_private=cfg.allow_private_urls,
-                       allowed_local_dir=cfg.allowed_local_media_dir)
 
 
 class EncoderWorker:
@@ -139,7 +73,7 @@ class EncoderWorker:
                                                               worker.max_wait_ms / 1e3)
         self.cache = self._open_cache(worker, prep) if worker.cache_bytes else None
         max_result_bytes = max(prep.max_video_decoded_bytes, int(prep.max_audio_duration_s * 16000 * 4))
-        self.fetch_pool = FetchPool(fetch.num_fetch_procs, fetch_policy(fetch), prep.max_source_pixels,
+        self.fetch_pool = FetchPool(fetch.num_fetch_procs, fetch.policy(), prep.max_source_pixels,
                                     item_timeout_s=fetch.fetch_timeout_s + 5.0, name=f"mmenc-fetch-{index}",
                                     max_result_bytes=max_result_bytes)
         self.video_timeout_s = fetch.fetch_timeout_s + prep.video_decode_timeout_s + 5.0
@@ -401,7 +335,7 @@ class EncoderWorker:
         if events:
             events[1].record()
         need_tokens = self.cache is not None or any(it.pooling == "none" for it in prep.items)
-        pooled, tokens = _to_host(pooled), _to_host(out) if need_tokens else None
+        pooled, tokens = to_host(pooled), to_host(out) if need_tokens else None
         if events:
             events[2].record()
         return InFlight(prep.items, pooled, tokens, lengths, started, events)
