@@ -107,16 +107,71 @@ def test_prefix_cache_hit_is_identical_to_recompute(ref) -> None:
     assert torch.allclose(baseline.logits, second.logits, atol=ATOL)
 
 
-def test_shared_prefix_beyond_window_is_not_reused_unsafely(ref) -> None:
-    """A second request that shares only the system prompt: its end's SWA KV was released (the first request
-    ran on), so the window-safe match is shorter than the token match; outputs still equal transformers."""
+def test_same_prompt_twice_reuses_all_but_its_last_token(ref) -> None:
+    """The prompt's KV (SWA of its last window included) is cached when its prefill ends, so the same prompt again
+    recomputes only its last token (whose logits it needs)."""
+    prompt = prompt_of(3 * W + 3, 33)
+    cached = LLM("tiny", max_prefill_tokens=8)
+    first = cached.generate([prompt], greedy(6))[0]
+    second = cached.generate([prompt], greedy(6))[0]
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == len(prompt) - 1
+    baseline = LLM("tiny", enable_prefix_cache=False).generate([prompt], greedy(6))[0]
+    assert second.token_ids == first.token_ids == baseline.token_ids
+    assert torch.allclose(second.logits, baseline.logits, atol=ATOL)
+    check_against(ref, prompt, second)
+
+
+def test_shared_system_prompt_is_reused_by_a_different_user_turn(ref) -> None:
+    """Two prompts share a system prompt longer than the window, then differ: the second reuses the whole shared
+    part, because every prefill chunk went into the tree with its SWA (the first request ran on meanwhile)."""
     system = prompt_of(3 * W, 40)
-    llm = LLM("tiny")
+    llm = LLM("tiny", max_prefill_tokens=16)
     llm.generate([system + prompt_of(3, 41)], greedy(2 * W))
     prompt = system + prompt_of(5, 42)
+    naive = llm.scheduler.radix.naive_match_length(prompt[:-1])
     out = llm.generate([prompt], greedy(4))[0]
-    assert out.num_cached_tokens < len(system)
+    assert len(system) <= out.num_cached_tokens == naive
+    assert out.token_ids == LLM("tiny", enable_prefix_cache=False).generate([prompt], greedy(4))[0].token_ids
     check_against(ref, prompt, out)
+
+
+def test_shared_prefix_whose_swa_was_evicted_is_not_reused_unsafely(ref) -> None:
+    """Memory pressure evicted the SWA of the shared prefix (only the latest window is left): the token match is
+    longer than the window-safe one, the request reuses only the latter, and the outputs are still exact."""
+    system = prompt_of(3 * W, 43)
+    llm = LLM("tiny", max_prefill_tokens=16)
+    llm.generate([system + prompt_of(3, 44)], greedy(2 * W))
+    radix = llm.scheduler.radix
+    radix.evict(0, radix.cached_swa() - (W - 1))
+    prompt = system + prompt_of(5, 45)
+    safe = radix.match_length(prompt[:-1])
+    assert safe < len(system) <= radix.naive_match_length(prompt[:-1])
+    out = llm.generate([prompt], greedy(4))[0]
+    assert out.num_cached_tokens == safe
+    check_against(ref, prompt, out)
+
+
+def test_same_prompt_while_the_first_still_decodes(ref) -> None:
+    """A second request with the same prompt, submitted while the first decodes, reuses the first's prompt KV
+    (locked by both); both equal transformers, and the pools hold only the cache afterwards."""
+    prompt = prompt_of(2 * W + 5, 46)
+    llm = LLM("tiny", max_prefill_tokens=8)
+    first = llm.add_request(prompt, greedy(3 * W))
+    while not llm.output(first).token_ids:
+        llm.step()
+    llm.step()
+    second = llm.add_request(prompt, greedy(W))
+    outs = {}
+    while llm.has_unfinished():
+        outs.update({o.request_id: o.output for o in llm.step() if o.finished})
+        if second not in outs:
+            assert first not in outs  # the first is still decoding when the second finishes
+    assert outs[second].num_cached_tokens == len(prompt) - 1
+    assert outs[second].token_ids == outs[first].token_ids[:W]
+    for out in outs.values():
+        check_against(ref, prompt, out)
+    usage = llm.scheduler.usage()
+    assert usage["full_used"] == usage["full_cached"] and usage["swa_used"] == usage["swa_cached"]
 
 
 def test_preempted_and_resumed_requests_match(ref) -> None:

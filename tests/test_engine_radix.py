@@ -130,10 +130,14 @@ def test_swa_eviction_drops_a_leaf_whole():
     seq = sys_prompt + turn
     full_t, swa_t = _request(cache, turn)
     cache.insert(seq, torch.cat([full_s, full_t]), torch.cat([swa_s, swa_t]))
-    cache.match_prefix(sys_prompt + [7])  # the system prompt's window is the most recently used SWA
-    assert cache.evict(0, 1) == (4, 4)  # least recent SWA is the turn's leaf: without SWA it is useless
+    cache.match_prefix(sys_prompt + [7])  # the system prompt's window [18, 20) is the most recently used SWA
+    # SWA outside every window where an insert or match ended goes first ([0, 18), then [20, 22)); internal
+    # nodes keep their full slots, and the prefixes stay reusable
+    assert cache.evict(0, 1) == (0, 18) and cache.evict(0, 1) == (0, 2)
+    assert cache.match_prefix(sys_prompt + [7]).length == 20
+    assert cache.evict(0, 1) == (4, 2)  # least recent window: the turn's leaf; without SWA the turn is useless
     assert cache.match_prefix(seq).length == 20
-    assert cache.evict(0, 1) == (20, 20)  # now the system prompt is a leaf
+    assert cache.evict(0, 1) == (20, 2)  # now the window is a leaf, and its SWA-less parent goes with it
     assert cache.cached_full() == 0 and cache.full_pool.num_free() == 64 and cache.swa_pool.num_free() == 64
 
 
@@ -152,7 +156,8 @@ def test_multi_turn_old_swa_evicted_full_kept():
     cache.insert(turn2, torch.cat([m.full_slots, full_new]), torch.cat([m.swa_slots, swa_new]))
     cache.unlock(m.node)
     assert cache.match_prefix(turn2 + [60]).length == 15
-    assert cache.evict(0, 1) == (0, 10)  # turn 1's node: internal, tombstoned
+    # the SWA outside windows ([0, 8) and [10, 13)) goes first, then turn 1's window [8, 10): internal, tombstoned
+    assert cache.evict(0, 13) == (0, 13)
     m = cache.match_prefix(turn2 + [60])
     assert m.length == 15 and torch.equal(m.full_slots, torch.cat([full1, full_new]))
     assert cache.match_prefix(turn1 + [70]).length == 0 and cache.naive_match_length(turn1 + [70]) == 10
@@ -165,13 +170,13 @@ def test_lock_protects_full_path_and_only_the_window_swa():
     full, swa = _request(cache, seq)
     cache.insert(seq[:6], full[:6], swa[:6])
     cache.insert(seq, full, swa)  # nodes [0, 6) and [6, 10)
-    m = cache.match_prefix(seq)
+    m = cache.match_prefix(seq)  # cuts [6, 10) at the window start 8
     cache.lock(m.node)
-    assert (cache.evictable_full(), cache.evictable_swa()) == (0, 6)
-    assert cache.evict(100, 100) == (0, 6)  # the node [0, 6) lies outside the window [8, 10): its SWA goes
+    assert (cache.evictable_full(), cache.evictable_swa()) == (0, 8)
+    assert cache.evict(100, 100) == (0, 8)  # [0, 6) and [6, 8) lie outside the window [8, 10): their SWA goes
     assert cache.match_prefix(seq).length == 10
     cache.unlock(m.node)
-    assert (cache.evictable_full(), cache.evictable_swa()) == (10, 4)
+    assert (cache.evictable_full(), cache.evictable_swa()) == (10, 2)
     with pytest.raises(TypeError):
         cache.lock(object())
 
@@ -182,23 +187,25 @@ def test_split_of_a_locked_node_moves_swa_locks_by_window():
     seq = list(range(10))
     full, swa = _request(cache, seq)
     cache.insert(seq, full, swa)
-    m = cache.match_prefix(seq)
+    m = cache.match_prefix(seq)  # cuts at the window start: [0, 8) and [8, 10)
     cache.lock(m.node)  # window [8, 10)
-    assert (cache.evictable_full(), cache.evictable_swa()) == (0, 0)
+    views = {len(v.path): v for v in cache.walk()}
+    assert views[8].is_locked and not views[8].is_swa_locked and views[10].is_swa_locked
+    assert (cache.evictable_full(), cache.evictable_swa()) == (0, 8)
     f, s = _request(cache, [50, 51])
     cache.insert(seq[:4] + [50, 51], torch.cat([cache.full_pool.alloc(4), f]), torch.cat([swa[:4] * 0 - 1, s]))
-    # cut at 4, before the window: the upper part [0, 4) is full-locked but its SWA is evictable
+    # cut at 4, before the window: both parts are full-locked, their SWA is evictable
     views = {len(v.path): v for v in cache.walk()}
-    assert views[4].is_locked and not views[4].is_swa_locked and views[10].is_swa_locked
-    assert (cache.evictable_full(), cache.evictable_swa()) == (2, 4 + 2)
+    assert views[4].is_locked and not views[4].is_swa_locked and not views[8].is_swa_locked
+    assert (cache.evictable_full(), cache.evictable_swa()) == (2, 8 + 2)
     f, s = _request(cache, [60])
     cache.insert(seq[:9] + [60], torch.cat([full[:9], f]), torch.cat([torch.full((9,), -1), s]))
     views = {len(v.path): v for v in cache.walk()}
     assert views[9].is_swa_locked and views[10].is_swa_locked  # cut at 9, inside the window: both parts
-    assert cache.evict(0, 100) == (3, 4 + 3)  # the two new leaves go whole, [0, 4) loses its SWA
+    assert cache.evict(0, 100) == (3, 8 + 3)  # the two new leaves go whole, [0, 8) loses its SWA
     assert cache.match_prefix(seq).length == 10
     cache.unlock(m.node)
-    assert (cache.evictable_full(), cache.evictable_swa()) == (10, 6)
+    assert (cache.evictable_full(), cache.evictable_swa()) == (10, 2)
     assert sorted(cache.full_pool.free_slots().tolist() + full.tolist()) == list(range(64))
 
 
@@ -241,7 +248,7 @@ def test_naive_equal_tokens_rule_is_wrong():
     cache.insert(turn2, torch.cat([m.full_slots, full2]), torch.cat([m.swa_slots, swa2]))
     cache.unlock(m.node)
     cache.match_prefix(turn2 + [1])
-    cache.evict(0, 10)
+    cache.evict(0, cache.cached_swa() - (window - 1))  # all but the latest window [12, 15) ages out
     probe = turn1 + [9]
     assert cache.naive_match_length(probe) == 10 and cache.match_prefix(probe).length == 0
     assert bool(cache.swa_pool.is_free(swa1[10 - window + 1:]).all())  # what the naive rule would read
@@ -300,8 +307,8 @@ class RadixMachine(RuleBasedStateMachine):
         return {tuple(r["tokens"][:i]) for r in self.reqs for i in range(1, r["match_len"] + 1)}
 
     def _windows(self) -> set[Prefix]:
-        """Positions in a lock's window [L-W+1, L): their SWA slots must stay."""
-        return {tuple(r["tokens"][:i + 1]) for r in self.reqs
+        """Positions in a lock's window [L-W+1, L): their SWA slots must stay (unless `unlock_swa` dropped it)."""
+        return {tuple(r["tokens"][:i + 1]) for r in self.reqs if r["swa_locked"]
                 for i in range(max(0, r["match_len"] - self.W + 1), r["match_len"])}
 
     def _evict(self, num_full: int, num_swa: int) -> tuple[int, int]:
@@ -348,7 +355,7 @@ class RadixMachine(RuleBasedStateMachine):
             if node is not None:
                 self.cache.unlock(node)
             return
-        self.reqs.append({"tokens": tokens, "match_len": length, "node": node, "keep": keep,
+        self.reqs.append({"tokens": tokens, "match_len": length, "node": node, "keep": keep, "swa_locked": True,
                           "full": torch.cat([full, new[0]]), "swa": torch.cat([swa, new[1]])})
 
     @precondition(lambda self: self.history)
@@ -380,11 +387,44 @@ class RadixMachine(RuleBasedStateMachine):
         r["swa"][forget] = -1
 
     @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def cache_computed(self, data: st.DataObject) -> None:
+        """As the scheduler after a prefill chunk: insert what the request computed, then use the tree's copy
+        under a new lock (taken before the old one is dropped)."""
+        r = data.draw(st.sampled_from(self.reqs))
+        self._insert(r)
+        m = self.cache.match_prefix(r["tokens"])
+        assert m.length == len(r["tokens"])  # its own window went in live
+        self.cache.lock(m.node)
+        if r["node"] is not None:
+            self.cache.unlock(r["node"])
+        r.update(node=m.node, match_len=m.length, keep=(0, 0), swa_locked=True, full=m.full_slots, swa=m.swa_slots)
+
+    def _past_window(self) -> list[dict]:
+        """Requests with a lock whose own positions cover their whole last window (as in the scheduler)."""
+        return [r for r in self.reqs if r["node"] is not None and len(r["tokens"]) - self.W + 1 >= r["match_len"]]
+
+    @precondition(lambda self: self._past_window())
+    @rule(data=st.data())
+    def unlock_swa(self, data: st.DataObject) -> None:
+        """A request whose queries moved past its match's window keeps only the full path locked."""
+        r = data.draw(st.sampled_from(self._past_window()))
+        r["node"] = self.cache.unlock_swa(r["node"])
+        r["swa_locked"] = False
+        r["swa"][:r["match_len"]] = -1  # it reads none of the tree's SWA any more
+
+    @precondition(lambda self: self.reqs)
     @rule(data=st.data(), release=st.booleans())
     def finish(self, data: st.DataObject, release: bool) -> None:
         r = self.reqs.pop(data.draw(st.integers(0, len(self.reqs) - 1)))
         if release:
             self._release(r)
+        self._insert(r)
+        self.history.append(r["tokens"])
+        if r["node"] is not None:
+            self.cache.unlock(r["node"])
+
+    def _insert(self, r: dict) -> None:
         tokens, full, swa = r["tokens"], r["full"].tolist(), r["swa"].tolist()
         existing = 0
         for i in range(len(tokens)):
@@ -397,9 +437,6 @@ class RadixMachine(RuleBasedStateMachine):
             else:
                 self.model[p] = (full[i], swa[i])
         assert self.cache.insert(tokens, r["full"], r["swa"]) == existing
-        self.history.append(tokens)
-        if r["node"] is not None:
-            self.cache.unlock(r["node"])
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -449,7 +486,7 @@ class RadixMachine(RuleBasedStateMachine):
             end = len(v.path)
             assert v.is_locked == (tuple(v.path) in locked)
             assert v.is_swa_locked == any(
-                r["node"] is not None and r["match_len"] >= end and r["tokens"][:end] == v.path
+                r["node"] is not None and r["swa_locked"] and r["match_len"] >= end and r["tokens"][:end] == v.path
                 and end > r["match_len"] - self.W + 1 for r in self.reqs)
 
 

@@ -37,8 +37,8 @@ def assert_no_leak(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("setting", [
-    {"num_full_slots": 72, "num_swa_slots": 40, "max_prefill_tokens": 8, "swa_release_interval": 2},
-    {"num_full_slots": 96, "num_swa_slots": 32, "max_prefill_tokens": 5, "max_num_seqs": 3, "policy": "fcfs"},
+    {"num_full_slots": 64, "num_swa_slots": 40, "max_prefill_tokens": 8, "swa_release_interval": 2},
+    {"num_full_slots": 96, "num_swa_slots": 28, "max_prefill_tokens": 5, "max_num_seqs": 3, "policy": "fcfs"},
     {"num_full_slots": 72, "num_swa_slots": 40, "max_prefill_tokens": 8, "enable_prefix_cache": False},
 ])
 def test_multi_turn_workload_under_tight_pools(setting: dict, roomy: LLM) -> None:

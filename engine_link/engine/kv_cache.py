@@ -64,10 +64,17 @@ class SlotTable:
         return self._swa[:self._len]  # [num_positions] SWA-pool slots, -1 where released
 
     def borrow(self, full: torch.Tensor, swa: torch.Tensor) -> None:
-        """Start from a prefix-cache match (slots owned by the tree)."""
-        assert self._len == 0
-        self.append(full, swa)
-        self.num_borrowed = full.numel()
+        """Use the prefix tree's slots for positions [0, n): a match at admission (empty table), or the tree's copy
+        of positions this request computed and just inserted (n <= len; its own slots for them now belong to the
+        tree or were freed by it). `swa` is -1 before the window the request still reads."""
+        n = full.numel()
+        if self._len == 0:
+            self.append(full, swa)
+        else:
+            assert n <= self._len and n >= self.num_borrowed
+            self._full[:n] = full
+            self._swa[:n] = swa
+        self.num_borrowed = n
         missing = (swa < 0).nonzero()
         self.swa_released_upto = int(missing[-1]) + 1 if missing.numel() else 0
 

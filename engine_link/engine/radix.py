@@ -77,10 +77,12 @@ class _Node:
 
 @dataclass(frozen=True, eq=False)
 class _Handle:
-    """Lock handle: the node where a match ends and the match length (its depth)."""
+    """Lock handle: the node where a match ends, the match length (its depth), and whether a lock through it
+    also protects the SWA of its window (`unlock_swa` hands out one that does not)."""
 
     node: _Node
     length: int
+    swa: bool = True
 
 
 @dataclass
@@ -153,11 +155,12 @@ class SwaRadixCache:
 
     # ------------------------------------------------------------------------------------------------ lookup
 
-    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
+    def match_prefix(self, tokens: Sequence[int], *, recent: bool = True) -> PrefixMatch:
         """Longest window-safe cached prefix of `tokens` (marks it recently used).
 
         A caller that needs logits for the last prompt token passes `tokens[:-1]`. The returned slots stay
-        owned by the tree: `lock(match.node)` before using them, `insert`, then `unlock`.
+        owned by the tree: `lock(match.node)` before using them, `insert`, then `unlock`. `recent=False` leaves
+        the SWA clocks alone (see `insert`).
         """
         path, fulls, swas = self._walk(_as_key(tokens))
         swa_all = torch.cat(swas) if swas else _EMPTY  # [M]
@@ -169,8 +172,9 @@ class SwaRadixCache:
             if start + len(n) > length:
                 n = self._split(n, length - start, start)
             node, start = n, start + len(n)
+        self._cut_window(node, length)
         self._clock += 1
-        self._touch(node, length)
+        self._touch(node, length, swa=recent)
         full_out = (torch.cat(fulls) if fulls else _EMPTY)[:length].clone()  # [L]
         swa_out = swa_all[:length].clone()  # [L]
         swa_out[:self._window_start(length)] = -1  # NOTE: only the window is handed out (and SWA-locked)
@@ -209,7 +213,7 @@ class SwaRadixCache:
     def lock(self, node: object) -> None:
         """Protect a match until `unlock`: full slots of its whole path, SWA slots of the nodes in its window."""
         handle = _as_handle(node)
-        lo = self._window_start(handle.length)
+        lo = self._window_start(handle.length) if handle.swa else handle.length  # no SWA part: an empty window
         for n, _, end in self._path_up(handle.node, handle.length):
             if n.lock_ref == 0:
                 self._evictable_full -= len(n)
@@ -227,7 +231,7 @@ class SwaRadixCache:
             ValueError: the handle is not locked (nothing changes).
         """
         handle = _as_handle(node)
-        lo = self._window_start(handle.length)
+        lo = self._window_start(handle.length) if handle.swa else handle.length
         path = list(self._path_up(handle.node, handle.length))
         if any(n.lock_ref <= 0 or (end > lo and n.swa_locks.get(lo, 0) <= 0) for n, _, end in path):
             raise ValueError("unlock of a match that is not locked")
@@ -243,15 +247,34 @@ class SwaRadixCache:
                 if n.swa_lock_ref == 0:
                     self._evictable_swa += n.num_live_swa
 
+    def unlock_swa(self, node: object) -> object:
+        """Drop the SWA part of one `lock` of `node`, keeping its full path locked (for a request whose queries
+        have moved past the match's window: the tree keeps that SWA only while memory allows).
+
+        Returns:
+            The handle to `unlock` from now on (`node` itself if its lock holds no SWA).
+        """
+        handle = _as_handle(node)
+        if not handle.swa:
+            return handle
+        full_only = _Handle(handle.node, handle.length, swa=False)
+        self.lock(full_only)
+        self.unlock(handle)
+        return full_only
+
     # ------------------------------------------------------------------------------------------------ insert
 
-    def insert(self, tokens: Sequence[int], full_slots: torch.Tensor, swa_slots: torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], full_slots: torch.Tensor, swa_slots: torch.Tensor, *,
+               recent: bool = True) -> int:
         """Cache `tokens` with their slots, taking ownership of every slot passed.
 
         Args:
             tokens: token ids `[N]`.
             full_slots: int64 `[N]` full-attention slots (all >= 0).
             swa_slots: int64 `[N]` SWA slots; -1 for positions the request already released.
+            recent: whether the window at the end counts as recently used for SWA eviction. False for a prefill
+                chunk boundary, where later matches rarely end: its SWA should not outlast the windows where
+                sequences and prompts end (what multi-turn and repeated requests reuse).
         Returns:
             How many leading tokens were already in the tree (the caller's different slots for them are freed).
         Raises:
@@ -277,14 +300,16 @@ class SwaRadixCache:
                 self._evictable_full += len(leaf)
                 self._num_swa += leaf.num_live_swa
                 self._evictable_swa += leaf.num_live_swa
-                self._touch(leaf, key.numel())
+                self._cut_window(leaf, key.numel())
+                self._touch(leaf, key.numel(), swa=recent)
                 return pos
             k = _common_prefix(child.key, key[pos:])
             if k < len(child):
                 child = self._split(child, k, pos)
             self._take_duplicates(child, full[pos:pos + k], swa[pos:pos + k])
             node, pos = child, pos + k
-        self._touch(node, pos)
+        self._cut_window(node, pos)
+        self._touch(node, pos, swa=recent)
         return pos
 
     def _take_duplicates(self, node: _Node, full: torch.Tensor, swa: torch.Tensor) -> None:
@@ -383,9 +408,20 @@ class SwaRadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _touch(self, node: _Node, end: int) -> None:
-        """Full clock on the path to `node` (ending at depth `end`), SWA clock on the nodes in its window."""
+    def _cut_window(self, node: _Node, end: int) -> None:
+        """Make the window start of the prefix ending at `node` (depth `end`) a node boundary, so that a lock pins
+        the SWA of the window and no more, and the clocks tick for exactly the window."""
         lo = self._window_start(end)
+        for n, start, stop in self._path_up(node, end):
+            if stop <= lo:
+                return
+            if start < lo:
+                self._split(n, lo - start, start)
+                return
+
+    def _touch(self, node: _Node, end: int, swa: bool = True) -> None:
+        """Full clock on the path to `node` (ending at depth `end`), SWA clock on the nodes in its window."""
+        lo = self._window_start(end) if swa else end
         for n, _, stop in self._path_up(node, end):
             n.full_clock = self._clock
             if stop > lo:

@@ -6,6 +6,22 @@ continues with a chunk under the `max_prefill_tokens` budget); then waiting sequ
 policy order (`policy.order_waiting`) while the budget, `max_num_seqs` and both pools allow. When a pool
 runs short, the prefix cache evicts first, then the newest running sequence is preempted (its slots freed,
 it waits to be recomputed). The oldest running sequence therefore always progresses: no deadlock.
+
+Prefix cache lifecycle (`radix.SwaRadixCache`). Admission matches the longest window-safe cached prefix of the
+prompt (all but its last token), locks it and borrows its slots. After every prefill chunk the positions
+computed so far go into the tree at once (SGLang's `cache_unfinished_req`), with the SWA of every one of them
+still live, and the request goes on with the tree's slots under a lock at its new end. So a request with the
+same prompt, or one that shares only a system prompt and branches anywhere inside it, reuses it as soon as
+this one has computed it (while it still decodes, too), and the SWA the window needs at any branch point is in
+the tree: no request has to guess where a later one will branch. What a request still owns is only what it
+has not inserted yet: its decode positions. When it finishes (or is aborted) the rest goes in as before.
+
+SWA stays O(window) per request: the tree holds the SWA of cached prompts, but only a lock's window is pinned;
+the rest is evictable (LRU) and goes before any running request is preempted. A request's lock pins the window
+[L-W+1, L) at its insert point L; once its own queries have moved past it (decode), the lock keeps only the
+full path (`unlock_swa`), so the prompt's last window stays cached while memory allows but is not pinned.
+A preempted request's prompt stays cached: it resumes from the tree. (`PrefixMatch.keep_swa` is for callers
+that insert only at the end; inserting every chunk with live SWA keeps more than it asks for.)
 """
 
 from __future__ import annotations
@@ -99,7 +115,7 @@ class Scheduler:
     def _uncached_estimate(self, seq: Sequence) -> int:
         if self.radix is None or not seq.use_prefix_cache:
             return len(seq)
-        return len(seq) - self.radix.match_prefix(seq.key_tokens()[:-1]).length
+        return len(seq) - self.radix.match_length(seq.key_tokens()[:-1])  # NOTE: no side effects (every step)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Move `seq` to running with its prefix-cache match and first chunk; the chunk's length, 0 if the pools
@@ -215,14 +231,36 @@ class Scheduler:
                     self._finish(seq, reason)
                     continue
             seq.steps_since_release += 1
+            if was_prefill and self.radix is not None and seq.use_prefix_cache:
+                self._cache_computed(seq)
             if was_prefill or seq.steps_since_release >= self.cfg.swa_release_interval:
                 self._release_out_of_window(seq)
         return updated
 
+    def _cache_computed(self, seq: Sequence) -> None:
+        """Hand the positions `seq` has computed to the prefix cache now (not only when it finishes), so requests
+        with the same prefix reuse them meanwhile; `seq` goes on with the tree's slots under a lock at its end."""
+        n, is_prompt_end = seq.num_computed, not seq.is_prefill
+        key = seq.key_tokens()[:n]
+        # NOTE: still under the old lock. Only the prompt's end window counts as recently used (a repeated prompt
+        # reuses it); a chunk boundary's SWA ages out before the windows where prompts and sequences end.
+        self.radix.insert(key, seq.slots.full[:n], seq.slots.swa[:n], recent=is_prompt_end)
+        match = self.radix.match_prefix(key, recent=is_prompt_end)
+        if match.length != n:  # its own window [n-W+1, n) went in live, so the whole prefix is window-safe
+            raise RuntimeError(f"internal error: {n} positions inserted, {match.length} window-safe")
+        self.radix.lock(match.node)
+        if seq.radix_node is not None:
+            self.radix.unlock(seq.radix_node)
+        seq.radix_node = match.node
+        seq.slots.borrow(match.full_slots, match.swa_slots)
+
     def _release_out_of_window(self, seq: Sequence) -> None:
-        """Free SWA slots no future query reads: the next query at position p sees p-W+1..p."""
+        """Free SWA slots no future query reads: the next query at position p sees p-W+1..p. Once that is past
+        the borrowed prefix, the prefix-cache lock stops pinning the SWA of its window."""
         self.swa_pool.free(seq.slots.release_swa_before(max(0, seq.num_computed - self.window + 1)))
         seq.steps_since_release = 0
+        if seq.radix_node is not None and seq.slots.swa_released_upto >= seq.slots.num_borrowed:
+            seq.radix_node = self.radix.unlock_swa(seq.radix_node)
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
