@@ -234,6 +234,7 @@ class EngineArgs:
     llm_max_prefill_tokens: int = 512  # prefill chunk budget per step
     llm_prefix_cache: bool = True
     llm_policy: str = "fewest-uncached"  # waiting-queue order: fewest-uncached | fcfs
+    llm_overlap: bool = True  # prefill text while media encodes (off: wait for every embedding, for comparison)
     max_completion_tokens: int = 4096  # per request; larger asks are refused
     engine_port: int = 0  # 0: the engine listens on a local ipc socket
 

@@ -99,8 +99,9 @@ class EngineIO:
 
 
 class EngineServer:
-    def __init__(self, address: str, workers: list[str], model: str, **overrides: Any) -> None:
+    def __init__(self, address: str, workers: list[str], model: str, overlap: bool = True, **overrides: Any) -> None:
         self.inbox: queue.Queue = queue.Queue()
+        self.overlap = overlap  # admit on sizes (True) or only once every embedding is in
         self.llm = LLM(model, **overrides)
         cfg = self.llm.model_config
         self.tok: Tokenizer = load_chat_tokenizer(model, cfg.vocab_size)
@@ -183,13 +184,16 @@ class EngineServer:
             req.sizes[ev.index] = (ev.num_tokens, ev.content_key)
             if len(req.sizes) == len(req.msg.items):
                 req.timings_ms["sized"] = (time.perf_counter() - req.arrived) * 1e3
-                self.admit(req)
+                if self.overlap or len(req.embeddings) == len(req.msg.items):
+                    self.admit(req)
         elif ev.kind == "embedding":
             embedding = self.projector(req.modality[ev.index], ev.embedding)  # [tokens, hidden]
             if req.is_admitted:
                 self.inject(req, ev.index, embedding)
             else:
                 req.embeddings[ev.index] = embedding
+                if not self.overlap and len(req.embeddings) == len(req.msg.items) == len(req.sizes):
+                    self.admit(req)
 
     def inject(self, req: _Request, item: int, embedding: torch.Tensor) -> None:
         """Hand an arrived embedding to the LLM (prefill continues past its run at the next step)."""
@@ -273,7 +277,7 @@ class EngineServer:
 
 
 def engine_main(address: str, workers: list[str], model: str, overrides: dict[str, Any],
-                log_level: str = "info") -> None:
+                log_level: str = "info", overlap: bool = True) -> None:
     """Process entry point (spawned by the supervisor)."""
     import signal
 
@@ -283,7 +287,7 @@ def engine_main(address: str, workers: list[str], model: str, overrides: dict[st
     die_with_parent()
     set_process_name("mmenc-engine")
     setup_logging(log_level)
-    server = EngineServer(address, workers, model, **overrides)
+    server = EngineServer(address, workers, model, overlap, **overrides)
     signal.signal(signal.SIGTERM, lambda *_: server.inbox.put("stop"))
     server.run()
     if server.link is not None:

@@ -83,6 +83,7 @@ class _Group:
     is_accepted: bool = False
     pid: int = 0  # the worker process that accepted it (a restarted worker has lost it)
     open_items: set[int] = field(default_factory=set)
+    sized_items: set[int] = field(default_factory=set)
 
 
 class EncoderLink:
@@ -235,11 +236,19 @@ class EncoderLink:
             return  # expired, retried elsewhere, or not ours
         group.is_accepted = True  # a result implies acceptance (the Accepted may still be on its way)
         if isinstance(msg, m.ItemSized):
-            self.events.put(ItemEvent("sized", group.request_id, msg.index, msg.modality, msg.num_tokens,
-                                      msg.grid_thw, content_key=msg.content_key))
+            if msg.index not in group.sized_items:
+                group.sized_items.add(msg.index)
+                self.events.put(ItemEvent("sized", group.request_id, msg.index, msg.modality, msg.num_tokens,
+                                          msg.grid_thw, content_key=msg.content_key))
             return
         if not isinstance(msg, m.ItemResult):
             return
+        if msg.ok and msg.index not in group.sized_items:
+            # NOTE: a worker's size and result leave through different sockets and may arrive in either
+            # order; every item's "sized" event still comes first
+            group.sized_items.add(msg.index)
+            modality = next((it.modality for it in group.items if it.index == msg.index), "")
+            self.events.put(ItemEvent("sized", group.request_id, msg.index, modality, msg.num_tokens, msg.grid_thw))
         if msg.ok:
             array = np.array(m.frame_tensor(frames[1].buffer, msg.dtype, msg.shape)) if len(frames) > 1 else None
             if array is None or array.ndim != 2:
