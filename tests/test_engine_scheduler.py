@@ -52,6 +52,72 @@ def test_swa_usage_stays_flat_while_the_sequence_grows() -> None:
     assert swa[-1] == 0
 
 
+def test_swa_pinned_per_request_stays_flat_with_the_prefix_cache() -> None:
+    """With the prefix cache the tree keeps the prompt's SWA, but only a lock's window is pinned (not evictable):
+    W-1 while prefilling; during decode the request's own window plus, for its first W-1 + interval steps,
+    the prompt's last window (until the lock lets go of its SWA)."""
+    interval, prompt_len = 4, 30
+    llm = LLM("tiny", max_prefill_tokens=8, swa_release_interval=interval)
+    llm.add_request(prompt_of(prompt_len, 1), greedy(40))
+    s, pinned = llm.scheduler, []
+    while llm.has_unfinished():
+        llm.step()
+        pinned.append(s.swa_pool.num_used() - s.radix.evictable_swa())
+    num_prefill = -(-prompt_len // 8)
+    assert max(pinned[:num_prefill]) == W - 1
+    assert max(pinned) <= 2 * (W - 1) + interval
+    assert max(pinned[num_prefill + W - 1 + interval:]) <= W - 1 + interval
+    assert pinned[-1] == 0 and s.radix.cached_swa() >= prompt_len  # the prompt's SWA stays cached (evictable)
+
+
+def _image_prompt(key: str, seed: int) -> Prompt:
+    """Text, an image run of 2W embedding rows at position 4, text."""
+    ids = prompt_of(4, 70) + [0] * (2 * W) + prompt_of(5, 71)
+    image = torch.randn(2 * W, CFG.hidden_size, generator=torch.Generator().manual_seed(seed))  # [2W, hidden]
+    return Prompt(ids, embeds=[(4, image)], embed_keys=[key])
+
+
+def test_same_image_prompt_twice_reuses_the_image_run_and_another_image_does_not() -> None:
+    llm = LLM("tiny", max_prefill_tokens=8)
+    plain = LLM(llm.model, max_prefill_tokens=8, enable_prefix_cache=False)
+    params = greedy(6, return_logits=True)
+    prompt, other = _image_prompt("cat.png", 0), _image_prompt("dog.png", 1)
+    first, second, third = (llm.generate([p], params)[0] for p in (prompt, prompt, other))
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == len(prompt.token_ids) - 1  # across the image run
+    assert third.num_cached_tokens == 4  # the text before the run; nothing of another image
+    for out, p in ((first, prompt), (second, prompt), (third, other)):
+        expected = plain.generate([p], params)[0]
+        assert out.token_ids == expected.token_ids
+        assert torch.allclose(out.logits, expected.logits, atol=1e-4)
+
+
+def test_abort_of_a_request_whose_prompt_another_shares() -> None:
+    """The second request runs on the first's cached prompt; aborting the first leaves it intact, and every slot
+    is the cache's afterwards (all evictable: the pools drain to empty)."""
+    prompt = prompt_of(2 * W + 3, 72)
+    llm = LLM("tiny", max_prefill_tokens=8)
+    first = llm.add_request(prompt, greedy(4 * W))
+    while not llm.output(first).token_ids:
+        llm.step()
+    second = llm.add_request(prompt, greedy(2 * W))
+    llm.step()
+    llm.step()
+    assert llm.abort(first)
+    outs = {}
+    while llm.has_unfinished():
+        outs.update({o.request_id: o.output for o in llm.step() if o.finished})
+    assert outs[first].finish_reason == "abort" and outs[second].num_cached_tokens == len(prompt) - 1
+    expected = LLM(llm.model, enable_prefix_cache=False).generate([prompt], greedy(2 * W))[0].token_ids
+    assert outs[second].token_ids == expected
+    assert outs[first].token_ids == expected[:len(outs[first].token_ids)]
+    s = llm.scheduler
+    assert s.radix.evictable_full() == s.full_pool.num_used() == s.radix.cached_full()
+    assert s.radix.evictable_swa() == s.swa_pool.num_used() == s.radix.cached_swa()
+    s.radix.evict(10**6, 10**6)
+    assert s.full_pool.num_used() == s.swa_pool.num_used() == 0
+
+
 def test_stream_yields_the_same_tokens_as_generate(llm) -> None:
     prompts = [prompt_of(5, 2), prompt_of(20, 3)]
     expected = [o.token_ids for o in llm.generate(prompts, greedy(7))]

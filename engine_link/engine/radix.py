@@ -23,16 +23,25 @@ caller's different ones are freed (equal ones are the tree's own, returned by th
 that are -1 are filled from the caller's live SWA slots. Call `insert` before `unlock`.
 
 Locks. `lock(match.node)` protects the full slots of the whole path root..match end (full attention reads
-them all) but the SWA slots only of the nodes that overlap the window [L-W+1, L), so the SWA of older
-parts of a running request's prefix stays evictable.
+them all) but the SWA slots only of the window [L-W+1, L): a match and an insert cut the path at the start
+of the window at their end as well as at the end, so a lock pins exactly W-1 SWA slots and the SWA of older
+parts of a running request's prefix stays evictable. `unlock_swa` turns a lock into one of the full path
+only (for a request whose queries have moved past the window).
+
+How the scheduler uses it: it inserts every prefill chunk as soon as it is computed, with all of its SWA
+live, and re-locks the request at the chunk's end; so the tree holds the SWA of whole prompts and a later
+request that branches anywhere inside one (a shared system prompt) gets a window-safe hit. `keep_swa` is for
+callers that insert only when a request finishes (the prefix-cache benchmark's simulation).
 
 Eviction is LRU over both pools, with two clocks: a node's full clock ticks whenever a match or insert
 passes through it, its SWA clock only when its positions lie in the window at the end of a match or an
-insert (so SWA that no later match needed ages out even on a hot path). `evict(num_full, ...)` drops
-unlocked leaves, least recent full clock first (freeing full and live SWA); `evict(.., num_swa)`
-tombstones the SWA of nodes, least recent SWA clock first, internal nodes included, keeping their full
-slots: the prefix stays reusable as long as a later window is live. A leaf whose SWA is gone is useless (no
-position in it can end a window-safe match, for W > 1), so SWA eviction drops an unlocked leaf whole.
+insert (`recent=True`), so SWA that no later match needed ages out even on a hot path; SWA whose clock never
+ticked (inside a prompt, or at prefill-chunk boundaries, inserted with `recent=False`) goes first.
+`evict(num_full, ...)` drops unlocked leaves, least recent full clock first (freeing full and live SWA);
+`evict(.., num_swa)` tombstones the SWA of nodes, least recent SWA clock first, internal nodes included,
+keeping their full slots: the prefix stays reusable as long as a later window is live. A leaf whose SWA is
+gone is useless (no position in it can end a window-safe match, for W > 1), so SWA eviction drops an
+unlocked leaf whole.
 """
 
 from __future__ import annotations
@@ -99,6 +108,7 @@ class PrefixMatch:
             the window at the point where it leaves the tree, which the tree lacks when the match was trimmed.
             `insert` fills the tree from them, so the next request that branches there gets a window-safe hit
             (a shared system prompt, say). (0, 0) when nothing is worth keeping. Costs <= W-1 SWA slots.
+            A caller that inserts every prefill chunk with its SWA live (the scheduler) keeps it anyway.
     """
 
     length: int
