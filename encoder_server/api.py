@@ -65,6 +65,8 @@ def parse_media_part(part: Any, param: str, policy: FetchPolicy, prep: Preproces
     `video_url` object.
     """
     if isinstance(part, str):
+        if not part:
+            raise ApiError(400, f"{param}: empty URL", param=param)
         return MediaPart("image", part)
     if isinstance(part, int | list):
         raise ApiError(400, f"{param}: token-id input is not supported; this model embeds images, video and audio",
@@ -90,9 +92,9 @@ def parse_media_part(part: Any, param: str, policy: FetchPolicy, prep: Preproces
             options = parse_video_options(raw, prep)
         except ValueError as e:
             raise ApiError(400, f"{param}: {e}", param=param, code="bad_video_options") from None
-    if isinstance(url, str):
+    if isinstance(url, str) and url:
         return MediaPart(modality, url, uuid, options)
-    if url is None and uuid is not None:
+    if not url and uuid is not None:
         return MediaPart(modality, "", uuid, options)
     raise ApiError(400, f"{param}: {kind} needs a 'url' string (or a uuid of cached media)", param=param)
 
@@ -165,6 +167,7 @@ def encode_item(part: MediaPart, index: int, param: str, policy: FetchPolicy) ->
         if part.source:
             check_source(part.source, policy)
         if part.inline is not None or part.source.startswith("data:"):
+            _check_data_mime(part.source, part.modality)
             blob = part.inline if part.inline is not None else decode_data_uri(part.source, policy.max_bytes)
             route = route_key(uuid=part.uuid, inline=blob)
             return m.EncodeItem(index, part.modality, "data:", inline=True, route_key=route, uuid=part.uuid,
@@ -174,6 +177,15 @@ def encode_item(part: MediaPart, index: int, param: str, policy: FetchPolicy) ->
                             options=part.options), None
     except MediaError as e:
         raise ApiError(e.status, f"{param}: {e.message}", param=param, code=e.code) from None
+
+
+def _check_data_mime(source: str, modality: str) -> None:
+    """A `data:` URI's MIME type, when it names one, must be of the part's modality or generic `application/*`
+    (`data:text/html,...` as an image is refused here, not sniffed later)."""
+    mime = source[5:].partition(",")[0].partition(";")[0].strip().lower()
+    if mime and not mime.startswith((f"{modality}/", "application/")):
+        raise MediaError(f"data: URI of type {mime[:64]!r} cannot be used as {modality}", status=415,
+                         code="unsupported_media_type")
 
 
 def _encode(array: np.ndarray, fmt: str) -> Any:

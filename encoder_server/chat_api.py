@@ -3,7 +3,6 @@ response / stream-chunk bodies (no HTTP here)."""
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,8 +33,9 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, default: f
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not (
-            low <= value <= high):
+    # NOTE: the range check also refuses NaN and +-Infinity (json.loads accepts them); math.isfinite would
+    # overflow on a huge JSON integer (10**400)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise ApiError(400, f"'{name}' must be a number in [{low:g}, {high:g}]", param=name)
     return float(value)
 

@@ -27,6 +27,9 @@ VIDEO_OPTIONS: dict[str, tuple[type, str | None]] = {
 }
 
 
+MAX_OPTION_VALUE = 2**53  # larger JSON integers are refused before any float conversion
+
+
 def parse_video_options(raw: dict[str, Any], prep: PreprocessConfig) -> dict[str, float | int]:
     """The known sampling options in `raw` (other keys are ignored), checked against the server's limits.
 
@@ -41,10 +44,12 @@ def parse_video_options(raw: dict[str, Any], prep: PreprocessConfig) -> dict[str
         value = raw[name]
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-        if kind is int and value != int(value):
-            raise ValueError(f"{name} must be a whole number, got {value}")
+        if isinstance(value, int) and abs(value) > MAX_OPTION_VALUE:  # NOTE: math.isfinite(10**400) overflows
+            raise ValueError(f"{name} is too large")
         if not math.isfinite(value) or value < 0 or (value == 0 and name not in ("video_start", "video_end")):
             raise ValueError(f"{name} must be {'>= 0' if name.startswith('video_') else '> 0'}, got {value}")
+        if kind is int and value != int(value):  # NOTE: after the isfinite check: int(inf) overflows
+            raise ValueError(f"{name} must be a whole number, got {value}")
         if limit_field is not None and value > (limit := getattr(prep, limit_field)):
             flag = "--" + limit_field.replace("_", "-")
             raise ValueError(f"{name}={value} is above this server's limit of {limit} ({flag})")

@@ -317,14 +317,14 @@ def _split_url(url: str) -> tuple[str, str, int, str]:
     """(scheme, host, port, request path) of an http(s) URL."""
     if any(c <= " " or c == "\x7f" for c in url):
         raise FetchError(f"invalid URL {_short(url)!r}: whitespace or control characters")
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme not in ("http", "https"):
-        raise ForbiddenSource(f"scheme {scheme!r} is not allowed for URLs (allowed: http, https)")
-    try:
+    try:  # NOTE: urlsplit itself raises ValueError on a malformed IPv6 host ("http://[::1")
+        parts = urlsplit(url)
         host, port = parts.hostname, parts.port
     except ValueError:
         raise FetchError(f"invalid URL {_short(url)!r}: bad host or port") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        raise ForbiddenSource(f"scheme {scheme!r} is not allowed for URLs (allowed: http, https)")
     if not host:
         raise FetchError(f"invalid URL {_short(url)!r}: no host")
     if parts.username is not None or parts.password is not None:
