@@ -70,6 +70,19 @@ def test_swa_pinned_per_request_stays_flat_with_the_prefix_cache() -> None:
     assert pinned[-1] == 0 and s.radix.cached_swa() >= prompt_len  # the prompt's SWA stays cached (evictable)
 
 
+def test_repeated_prompt_keeps_its_window_under_swa_pressure() -> None:
+    """A small SWA pool cannot keep a whole prompt's SWA: what goes first is the SWA inside the prompt, not the
+    window a repeat of it needs, so the same prompt after another request still reuses all but its last token."""
+    llm = LLM("tiny", max_prefill_tokens=8, num_swa_slots=32)
+    prompt, params = prompt_of(3 * W + 3, 73), greedy(W, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    llm.generate([prompt_of(2 * W, 74)], params)
+    radix = llm.scheduler.radix
+    assert radix.match_length(prompt[:2 * W]) < 2 * W  # the inside of the prompt lost its SWA
+    second = llm.generate([prompt], params)[0]
+    assert second.num_cached_tokens == len(prompt) - 1 and second.token_ids == first.token_ids
+
+
 def _image_prompt(key: str, seed: int) -> Prompt:
     """Text, an image run of 2W embedding rows at position 4, text."""
     ids = prompt_of(4, 70) + [0] * (2 * W) + prompt_of(5, 71)

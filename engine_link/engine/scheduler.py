@@ -17,11 +17,14 @@ the tree: no request has to guess where a later one will branch. What a request 
 has not inserted yet: its decode positions. When it finishes (or is aborted) the rest goes in as before.
 
 SWA stays O(window) per request: the tree holds the SWA of cached prompts, but only a lock's window is pinned;
-the rest is evictable (LRU) and goes before any running request is preempted. A request's lock pins the window
-[L-W+1, L) at its insert point L; once its own queries have moved past it (decode), the lock keeps only the
-full path (`unlock_swa`), so the prompt's last window stays cached while memory allows but is not pinned.
-A preempted request's prompt stays cached: it resumes from the tree. (`PrefixMatch.keep_swa` is for callers
-that insert only at the end; inserting every chunk with live SWA keeps more than it asks for.)
+the rest is evictable and goes before any running request is preempted. A request's lock pins the window
+[L-W+1, L) at its insert point L (W-1 slots while it prefills); once its own queries have moved past it, the
+lock keeps only the full path (`unlock_swa`). So it pins at most W-1 more than its own decode window, and only
+for its first W-1 + swa_release_interval decode steps. Under SWA pressure the SWA that no insert or match
+ended at goes first (inside prompts, chunk boundaries), then windows, least recently used first; a prompt's
+end window (what a repeat of it matches) and a finished sequence's last window (what its next turn matches)
+count as used. A preempted request's prompt stays cached (while memory allows): it resumes from the tree.
+(`PrefixMatch.keep_swa` is for callers that insert only at the end; inserting every chunk keeps more.)
 """
 
 from __future__ import annotations
@@ -253,6 +256,8 @@ class Scheduler:
             self.radix.unlock(seq.radix_node)
         seq.radix_node = match.node
         seq.slots.borrow(match.full_slots, match.swa_slots)
+        if is_prompt_end and n > 1:
+            self.radix.match_prefix(key[:-1])  # NOTE: marks the window a repeat of this prompt matches [n-W, n-1)
 
     def _release_out_of_window(self, seq: Sequence) -> None:
         """Free SWA slots no future query reads: the next query at position p sees p-W+1..p. Once that is past
