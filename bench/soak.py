@@ -361,28 +361,28 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def flatness(samples: list[dict[str, Any]], tol_pct: float, tol_mib: float) -> dict[str, dict[str, Any]]:
-    """Per memory series (MiB): baseline (t = 0), end (median of the last 3 soak samples), max over soak and
-    drain, and flat = end - baseline <= max(tol_pct % of baseline, tol_mib); slope over the soak's 2nd half."""
+    """Per memory series (MiB): baseline (t = 0, after the warm-up), mid and end (medians of 3 samples at the
+    soak's middle and end), max over soak and drain, slope over the soak's 2nd half. Verdict, with
+    tol = max(tol_pct % of the baseline, tol_mib): `flat` (end - baseline <= tol), `plateau` (grew more, but
+    end - mid <= tol: bounded, e.g. by the queue filling to the admission limit), else `growing`."""
     soak_rows = [s for s in samples if s["phase"] == "soak"]
     late = [s for s in samples if s["phase"] != "warmup"]
     out: dict[str, dict[str, Any]] = {}
-    if not soak_rows:
-        return out
-    for name in soak_rows[0]["memory_mib"]:
-        series = [(s["t"], s["memory_mib"].get(name)) for s in soak_rows if s["memory_mib"].get(name) is not None]
-        if not series:
-            continue
-        base = series[0][1]
+    for name in dict.fromkeys(k for s in soak_rows for k in s["memory_mib"]):
+        series = [(s["t"], s["memory_mib"][name]) for s in soak_rows if name in s["memory_mib"]]
+        base, half = series[0][1], len(series) // 2
+        mid = float(np.median([v for _, v in series[max(half - 1, 0):half + 2]]))
         end = float(np.median([v for _, v in series[-3:]]))
-        second = series[len(series) // 2:]
+        second = series[half:]
         slope = (float(np.polyfit([t for t, _ in second], [v for _, v in second], 1)[0]) * 60
                  if len(second) >= 3 else None)
-        growth = end - base
-        out[name] = {"start": round(base, 1), "end": round(end, 1),
+        growth, tol = end - base, max(tol_pct / 100 * base, tol_mib)
+        verdict = "flat" if growth <= tol else "plateau" if end - mid <= tol else "growing"
+        out[name] = {"start": round(base, 1), "mid": round(mid, 1), "end": round(end, 1),
                      "max": round(max(s["memory_mib"].get(name) or 0.0 for s in late), 1),
                      "growth_mib": round(growth, 1), "growth_pct": round(100 * growth / base, 1) if base else None,
                      "slope_mib_per_min_2nd_half": None if slope is None else round(slope, 1),
-                     "flat": growth <= max(tol_pct / 100 * base, tol_mib)}
+                     "verdict": verdict, "flat": verdict == "flat"}
     return out
 
 
@@ -414,8 +414,11 @@ def _summary_line(a: argparse.Namespace, run: dict[str, Any], s: dict[str, Any],
     c = s["by_class"]
     other = c["4xx"] + c["5xx"]
     memory = s["memory"]
-    grown = [f"{k} +{v['growth_mib']:.0f} MiB" for k, v in memory.items() if not v["flat"]]
-    verdict = "flat" if not grown else "GREW: " + ", ".join(grown)
+    verdict = "flat"
+    for kind in ("plateau", "growing"):
+        grown = [f"{k} +{v['growth_mib']:.0f} MiB" for k, v in memory.items() if v["verdict"] == kind]
+        verdict = f"{'GROWING' if kind == 'growing' else 'grew then plateaued'}: {', '.join(grown)}" if grown \
+            else verdict
     total = memory.get("total_rss", {})
     overload = run["rate"] / run["warmup"]["capacity_rps"] if run["warmup"]["capacity_rps"] else float("nan")
     p50 = "n/a" if s["p50_ms"] is None else f"{s['p50_ms']:.0f}"
@@ -473,9 +476,8 @@ def _report(a: argparse.Namespace, argv: list[str], url: str, health: Any, run: 
              f"{s['by_class']['429'] + s['by_class']['503']} shed, {s['lost']} lost")
     plot(run["samples"], path.with_suffix(".png"), title, run["client"]["soak_end_t"])
     for name, m in s["memory"].items():
-        print(f"  {name:<16} {m['start']:>8.1f} -> {m['end']:>8.1f} MiB (max {m['max']:.1f}, "
-              f"{m['growth_mib']:+.1f} MiB, 2nd-half slope {m['slope_mib_per_min_2nd_half']} MiB/min)"
-              f"{'' if m['flat'] else '  NOT FLAT'}")
+        print(f"  {name:<16} {m['start']:>8.1f} -> {m['mid']:>8.1f} -> {m['end']:>8.1f} MiB (max {m['max']:.1f}, "
+              f"{m['growth_mib']:+.1f} MiB, 2nd-half slope {m['slope_mib_per_min_2nd_half']} MiB/min): {m['verdict']}")
     print(_summary_line(a, run, s, path), flush=True)
     return 0 if s["lost"] == 0 and s["missing_retry_after"] == 0 and s["by_class"]["2xx"] > 0 else 1
 

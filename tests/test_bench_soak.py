@@ -44,11 +44,13 @@ def _samples(worker: list[float]) -> list[dict]:
 
 def test_flatness_verdict():
     flat = flatness(_samples([1000, 1050, 1080, 1060, 1090, 1095]), tol_pct=10, tol_mib=64)
-    assert flat["gateway"]["flat"] and flat["worker0"]["flat"]  # +90 MiB of 1000: within 10 %
+    assert flat["gateway"]["verdict"] == flat["worker0"]["verdict"] == "flat"  # +90 MiB of 1000: within 10 %
     assert flat["worker0"]["start"] == 1000 and flat["worker0"]["end"] == 1090 and flat["worker0"]["max"] == 1095
-    grown = flatness(_samples([1000, 1100, 1200, 1300, 1400, 1500]), tol_pct=10, tol_mib=64)
-    assert not grown["worker0"]["flat"] and grown["worker0"]["growth_mib"] == 400
+    grown = flatness(_samples([1000 + 100 * i for i in range(10)]), tol_pct=10, tol_mib=64)
+    assert grown["worker0"]["verdict"] == "growing" and grown["worker0"]["growth_mib"] == 800
     assert grown["worker0"]["slope_mib_per_min_2nd_half"] == 6000  # 100 MiB/s
+    filled = flatness(_samples([1000, 1300, 1500, 1510, 1500, 1505, 1500]), tol_pct=10, tol_mib=64)
+    assert filled["worker0"]["verdict"] == "plateau" and not filled["worker0"]["flat"]  # rose, then held
     assert flatness([], 10, 64) == {}
 
 
