@@ -89,3 +89,34 @@ def test_random_aborts_under_pressure_leave_no_slot_behind(roomy: LLM) -> None:
     assert_no_leak(tight)
     tight.scheduler.radix.evict(10**6, 10**6)  # everything cached is evictable: the pools drain to empty
     assert tight.scheduler.usage()["full_used"] == 0 and tight.scheduler.usage()["swa_used"] == 0
+
+
+def test_repeated_and_shared_prompts_arriving_while_others_run(roomy: LLM) -> None:
+    """Identical prompts, and prompts that share a system prompt longer than the window, arrive two steps apart,
+    so each meets the others' prompts in the tree mid-prefill or mid-decode; tight pools preempt, one request is
+    aborted. Every output equals a roomy engine's, the cache is hit, and the pools drain to empty."""
+    tight = LLM("tiny", num_full_slots=64, num_swa_slots=32, max_prefill_tokens=5, swa_release_interval=2,
+                max_num_seqs=3)
+    gen = torch.Generator().manual_seed(2)
+    window = CFG.sliding_window
+    system = torch.randint(0, CFG.vocab_size, (2 * window,), generator=gen).tolist()
+    base = [system + torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in (3, 6)]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    ids, finished, step = [], {}, 0
+    while len(ids) < 8 or tight.has_unfinished():
+        if step % 2 == 0 and len(ids) < 8:
+            ids.append(tight.add_request(base[len(ids) % 2], params))
+        if step == 7:
+            assert tight.abort(ids[1])
+        finished.update({o.request_id: o.output for o in tight.step() if o.finished})
+        step += 1
+    expected = [o.token_ids for o in roomy.generate(base, params)]
+    for i, rid in enumerate(ids):
+        out = finished[rid]
+        assert out.token_ids == expected[i % 2][:len(out.token_ids)]
+        assert (len(out.token_ids) < 10) == (i == 1)
+    assert finished[ids[1]].num_cached_tokens > 0  # it arrived while the first was still prefilling the system
+    assert tight.scheduler.num_preemptions > 0 and tight.scheduler.num_cached_tokens >= 6 * len(system)
+    assert_no_leak(tight)
+    tight.scheduler.radix.evict(10**6, 10**6)
+    assert tight.scheduler.usage()["full_used"] == 0 and tight.scheduler.usage()["swa_used"] == 0
