@@ -11,10 +11,11 @@ answer. Phases, all in one run against one server (started here with `--start`, 
 
 Every request ends in one class: 2xx, 429, 503, 504, 4xx, 5xx, or *lost* (no HTTP answer: client timeout,
 connection reset or refused). A sampler records once a second the RSS of the gateway, each worker, its fetch
-processes and the engine (pids from `/health`), the bytes of `/dev/shm/mmenc-*`, the GPU memory in use
-(`nvidia-smi`, whole device) and the queue depth from `/metrics`. The report (`<out-dir>/<name>.json` and a
-plot `<name>.png`) gives each class, lost, max queue, memory start/end/max per series with a flatness
-verdict, and 2xx latency; the exit status is 1 when a request was lost or a 429/503 lacked `Retry-After`.
+processes and the engine (pids from `/health`; RSS less shared-memory pages), the /dev/shm segments those
+processes map, the GPU memory in use (`nvidia-smi`, whole device) and the queue depth from `/metrics`. The
+report (`<out-dir>/<name>.json` and a plot `<name>.png`) gives each class, lost, max queue, memory
+start/mid/end/max per series with a verdict (flat / plateau / growing), and 2xx latency next to the warm-up's;
+the exit status is 1 when a request was lost, a 429/503 lacked `Retry-After`, or nothing succeeded.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flat-mib", type=float, default=64.0, help="... or within this many MiB")
     p.add_argument("--max-connections", type=int, default=4096, help="client connection limit")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nonce-start", type=int,
+                   help="first per-image nonce (default: from the clock, so no cache holds this run's images)")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--name", default="soak")
     return p
@@ -102,22 +105,25 @@ def classify(status: int) -> str:
 
 
 def _rss_mib(pid: int) -> float | None:
-    """Resident set of `pid` in MiB (psutil if installed, else /proc); None once it is gone."""
+    """Resident set of `pid` in MiB less its touched /dev/shm pages (RssShmem: the cache and fetch arenas,
+    counted once in the `shm` series); psutil if installed, else /proc. None once the process is gone."""
+    fields: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
     try:
         import psutil
 
-        return psutil.Process(pid).memory_info().rss / 2**20
+        fields["VmRSS"] = psutil.Process(pid).memory_info().rss
     except ImportError:
         pass
     except Exception:  # psutil.NoSuchProcess / AccessDenied
         return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+    return (fields["VmRSS"] - fields.get("RssShmem", 0)) / 2**20 if "VmRSS" in fields else None
 
 
 def _children(pid: int) -> list[int]:
@@ -439,6 +445,11 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     out_dir = Path(a.out_dir)
     mix = ImageMix.parse(a.mix)
+    # NOTE: the same seed gives the same images and order; the nonces make this run's bytes (and URLs) new,
+    # or an embedding cache left by an earlier run would answer them and inflate the measured capacity.
+    nonce_start = a.nonce_start if a.nonce_start is not None else time.time_ns() // 1000
+    if a.url and (status := health_status(a.url.rstrip("/")))[0] != 200:  # before drawing images
+        raise RuntimeError(f"{a.url}/health answered {status[0] or 'nothing'}: {status[1][:300]}")
     with ExitStack() as stack:
         server = None
         if a.start:
@@ -455,10 +466,11 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
         if status != 200:
             raise RuntimeError(f"{url}/health answered {status or 'nothing'}: {text[:300]}")
         make_body = RequestFactory(mix, images, media, a.items_per_request, is_data_uri=a.as_data_uri,
-                                   is_unique=True, encoding_format="base64", nonces=itertools.count(), seed=a.seed)
+                                   is_unique=True, encoding_format="base64", nonces=itertools.count(nonce_start),
+                                   seed=a.seed)
         probe = MemoryProbe(server.proc.pid if server and server.proc else None)
         run = asyncio.run(run_phases(url, a, make_body, probe))
-    return _report(a, argv, url, json_or_none(text), run)
+    return _report(a, argv, url, json_or_none(text), {**run, "nonce_start": nonce_start})
 
 
 def _report(a: argparse.Namespace, argv: list[str], url: str, health: Any, run: dict[str, Any]) -> int:
@@ -469,8 +481,8 @@ def _report(a: argparse.Namespace, argv: list[str], url: str, health: Any, run: 
     payload = {"bench": "soak", "argv": argv, "url": url, "server_args": a.server_args, "health": health,
                "duration_s": a.duration, "mix": a.mix, "items_per_request": a.items_per_request,
                "timeout_s": a.timeout_s, "flat_rule": {"pct": a.flat_pct, "mib": a.flat_mib},
-               "warmup": run["warmup"], "rate": run["rate"], "client": run["client"], **s,
-               "samples": run["samples"]}
+               "nonce_start": run["nonce_start"], "warmup": run["warmup"], "rate": run["rate"],
+               "client": run["client"], **s, "samples": run["samples"]}
     path = write_results(a.name, a.out_dir, payload)
     title = (f"mmenc soak: {run['rate']:.1f} req/s for {a.duration:g} s, {s['sent']} sent, "
              f"{s['by_class']['429'] + s['by_class']['503']} shed, {s['lost']} lost")

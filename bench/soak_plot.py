@@ -101,8 +101,8 @@ def plot(samples: list[dict[str, Any]], path: Path, title: str, soak_end_t: floa
     split = TOP + int((HEIGHT - TOP - 46) * 0.62)
     _panel(d, (LEFT, TOP, right, split - 12), x_range, memory, "memory, MiB", shade, font)
     _panel(d, (LEFT, split + 12, right, HEIGHT - 46), x_range, queue, "items", shade, font)
-    d.text(((LEFT + right) / 2, HEIGHT - 14), "seconds since the soak started (shaded: warm-up, drain)",
-           fill="black", font=font, anchor="mm")
+    caption = "seconds since the soak started (shaded: warm-up, drain); legend: MiB at t = 0 -> last"
+    d.text(((LEFT + right) / 2, HEIGHT - 14), caption, fill="black", font=font, anchor="mm")
     path.parent.mkdir(parents=True, exist_ok=True)
     img.save(path)
     return path

@@ -9,6 +9,7 @@ from PIL import Image
 
 from bench.soak import classify, flatness, main
 from bench.soak_plot import plot
+from tests.server_process import free_port
 
 # NOTE: 2 requests in flight at most, and an arrival rate of 4x what two closed-loop users get answered:
 # most requests must be shed with 429 (the gateway's admission limit), none may go unanswered.
@@ -35,6 +36,11 @@ def test_soak_sheds_past_capacity_and_loses_nothing(tmp_path):
     with Image.open(tmp_path / "soak.png") as img:
         img.load()
         assert img.size == (960, 640)
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
+    assert main(["--url", f"http://127.0.0.1:{free_port()}", "--out-dir", str(tmp_path)]) == 2
+    assert "/health answered nothing" in capsys.readouterr().err
 
 
 def _samples(worker: list[float]) -> list[dict]:
