@@ -348,6 +348,7 @@ def _report(a: argparse.Namespace, argv: list[str], mix: ImageMix, rows: list[di
         "warmup_requests": a.warmup_requests or max(4, 2 * max(a.concurrency)), "seed": a.seed,
         "servers": servers, "total_s": total_s,
         "env": environment(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),  # the servers inherit it (CPU runs: say how many)
         "argv": argv, "rows": rows, "ratios": ratio,
     }
     path = write_results(a.name, a.out_dir, payload)
