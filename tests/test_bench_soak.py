@@ -3,11 +3,15 @@ nothing; plus the flatness verdict, outcome classes and the plot on synthetic da
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
+import aiohttp
+from aiohttp import web
 from PIL import Image
 
-from bench.soak import classify, flatness, main
+from bench.soak import classify, flatness, main, send
 from bench.soak_plot import plot
 from tests.server_process import free_port
 
@@ -41,6 +45,44 @@ def test_soak_sheds_past_capacity_and_loses_nothing(tmp_path):
 def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
     assert main(["--url", f"http://127.0.0.1:{free_port()}", "--out-dir", str(tmp_path)]) == 2
     assert "/health answered nothing" in capsys.readouterr().err
+
+
+def test_send_sees_resets_timeouts_and_missing_retry_after():
+    """The failures the soak must catch: a 429 without Retry-After, a reset connection, no answer at all."""
+    async def shed(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"code": "overloaded"}}, status=429)
+
+    async def reset(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        request.transport.abort()
+        return web.Response()
+
+    async def stall(request: web.Request) -> web.Response:
+        await asyncio.sleep(1.5)
+        return web.Response()
+
+    async def scenario() -> list:
+        app = web.Application()
+        app.router.add_post("/shed", shed)
+        app.router.add_post("/reset", reset)
+        app.router.add_post("/stall", stall)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            async with aiohttp.ClientSession() as session:
+                now = time.perf_counter()
+                return [await send(session, f"{base}/{path}", b"{}", 0.3, now, now)
+                        for path in ("shed", "reset", "stall")]
+        finally:
+            await runner.cleanup()
+
+    shed_out, reset_out, stall_out = asyncio.run(scenario())
+    assert (shed_out.cls, shed_out.has_retry_after, shed_out.reason) == ("429", False, "overloaded")
+    assert reset_out.cls == "lost" and reset_out.status == 0
+    assert (stall_out.cls, stall_out.reason) == ("lost", "client_timeout")
 
 
 def _samples(worker: list[float]) -> list[dict]:
