@@ -173,6 +173,7 @@ def chat_chunk(req: ChatRequest, model: str, delta: dict[str, Any] | None, finis
              "model": model, "choices": choices}
     if usage_of is not None:
         chunk["usage"] = usage(usage_of)
+        chunk["timings_ms"] = usage_of.timings_ms  # sized / encode / first_token / total, as in the JSON answer
     return chunk
 
 
