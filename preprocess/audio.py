@@ -12,6 +12,7 @@ import io
 import math
 import struct
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import lru_cache
 
 import numpy as np
@@ -24,6 +25,10 @@ TARGET_SAMPLE_RATE = 16000
 MIN_SAMPLE_RATE = 4000
 MAX_SAMPLE_RATE = 384000
 DEFAULT_MAX_DURATION_S = 3600.0
+# NOTE: a resampling ratio up/down costs a [up, ~51 * max(1, down / up)] filter; a rate coprime to 16 kHz
+# (383999 Hz) would need 16000 x 1218 taps (seconds and ~2 GB to build). Ratios are approximated to a
+# denominator of at most this (every common rate, e.g. 44100 -> 160/441, stays exact).
+MAX_RESAMPLE_DOWN = 1000
 FORMATS = ("wav", "flac", "mp3")
 
 
@@ -156,6 +161,37 @@ def sniff_audio(data: bytes) -> AudioHeader:
     return header
 
 
+# Largest block a FLAC frame header can announce, by its block-size code (0 is reserved).
+_FLAC_MAX_BLOCK = np.array([0, 192, 576, 1152, 2304, 4608, 256, 65536, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                            32768], dtype=np.int64)
+# Samples per MP3 frame by [version (0: MPEG-2.5, 1: reserved, 2: MPEG-2, 3: MPEG-1), layer (1: III, 2: II, 3: I)].
+_MP3_FRAME_SAMPLES = np.array([[0, 576, 1152, 384], [0, 0, 0, 0], [0, 576, 1152, 384], [0, 1152, 1152, 384]],
+                              dtype=np.int64)
+_SCAN_CHUNK = 1 << 20
+
+
+def max_decoded_samples(data: bytes, fmt: str) -> int:
+    """An upper bound on the samples per channel FFmpeg can decode from FLAC or MP3 bytes: every position
+    that could start a frame header counts with the largest block that header may announce.
+
+    NOTE: FFmpeg decodes every frame it finds, whatever STREAMINFO claims (and MP3 claims nothing): a 14 KB
+    FLAC of constant-value frames decoded to 1.5 GB of samples before the duration check could refuse it.
+    """
+    a = np.frombuffer(data, np.uint8)
+    total = 0
+    for pos in range(0, max(len(a) - 3, 0), _SCAN_CHUNK):  # in chunks: the masks stay small
+        n = min(_SCAN_CHUNK, len(a) - 3 - pos)
+        b0, b1, b2, b3 = (a[pos + k:pos + k + n] for k in range(4))
+        if fmt == "flac":  # sync, block size and rate codes not reserved, channel assignment <= 10, zero bit
+            found = ((b0 == 0xFF) & (b1 & 0xFE == 0xF8) & (b2 >> 4 != 0) & (b2 & 0x0F != 0x0F) & (b3 >> 4 <= 10)
+                     & (b3 & 1 == 0))
+            total += int(_FLAC_MAX_BLOCK[b2[found] >> 4].sum())
+        else:  # MPEG audio: 11-bit sync, version and layer not reserved, bitrate index not 15, rate index not 3
+            found = (b0 == 0xFF) & (b1 & 0xE0 == 0xE0) & (b2 >> 4 != 15) & ((b2 >> 2) & 3 != 3)
+            total += int(_MP3_FRAME_SAMPLES[(b1[found] >> 3) & 3, (b1[found] >> 1) & 3].sum())
+    return total
+
+
 # ---------------------------------------------------------------------------------------------- resampling
 
 
@@ -179,12 +215,14 @@ def resample(waveform: torch.Tensor, orig_sr: int, new_sr: int, width: int = 24,
     """Band-limited resampling of `[..., N]` from `orig_sr` to `new_sr` (Kaiser-windowed sinc, polyphase).
 
     Output length is `ceil(N * new_sr / orig_sr)`; output sample n sits at input time `n * orig_sr / new_sr`.
-    `width` zero crossings per side; `rolloff` places the cut-off below the lower Nyquist frequency.
+    `width` zero crossings per side; `rolloff` places the cut-off below the lower Nyquist frequency. A ratio
+    whose reduced denominator exceeds `MAX_RESAMPLE_DOWN` is replaced by its closest fraction within it (at
+    most 5.1e-4 relative for rates in [4 kHz, 384 kHz]: a pitch change under a cent).
     """
     if orig_sr == new_sr or waveform.shape[-1] == 0:
         return waveform
-    g = math.gcd(orig_sr, new_sr)
-    up, down = new_sr // g, orig_sr // g
+    ratio = Fraction(new_sr, orig_sr).limit_denominator(MAX_RESAMPLE_DOWN)
+    up, down = ratio.numerator, ratio.denominator
     taps, base = _polyphase_filter(up, down, width, rolloff, beta)
     taps = taps.to(waveform.device, waveform.dtype)
     half = taps.shape[1] // 2
@@ -218,8 +256,11 @@ def _decode_wav(data: bytes) -> np.ndarray:
     while pos + 8 <= len(data) and payload is None:
         chunk_id, size = data[pos:pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
         if chunk_id == b"fmt ":
+            if pos + 24 > len(data):
+                raise CorruptAudio("WAV 'fmt ' chunk is truncated")
             fmt = struct.unpack_from("<HHIIHH", data, pos + 8)
-            if fmt[0] == 0xFFFE and size >= 40:  # WAVE_FORMAT_EXTENSIBLE: the real tag starts the sub-format GUID
+            if fmt[0] == 0xFFFE and size >= 40 and pos + 34 <= len(data):  # WAVE_FORMAT_EXTENSIBLE: the real
+                # tag starts the sub-format GUID
                 fmt = (struct.unpack_from("<H", data, pos + 32)[0],) + fmt[1:]
         elif chunk_id == b"data":
             payload = data[pos + 8:pos + 8 + size]
@@ -281,6 +322,8 @@ def decode_audio(data: bytes, max_duration_s: float = DEFAULT_MAX_DURATION_S,
         raise BadSampleRate(f"{header.format.upper()} sample rate {header.sample_rate} Hz is outside "
                             f"[{MIN_SAMPLE_RATE}, {MAX_SAMPLE_RATE}] Hz")
     _check_duration(header.duration_s, max_duration_s)
+    if header.format != "wav":
+        _check_duration(max_decoded_samples(data, header.format) / header.sample_rate, max_duration_s, "at most ")
     samples = _decode_wav(data) if header.format == "wav" else _decode_ffmpeg(data, header)  # [C, N]
     if samples.shape[1] == 0:
         raise EmptyAudio(f"{header.format.upper()} audio has no samples")
@@ -290,6 +333,6 @@ def decode_audio(data: bytes, max_duration_s: float = DEFAULT_MAX_DURATION_S,
     return DecodedAudio(waveform, target_sample_rate, header.sample_rate, header.num_channels, header.format)
 
 
-def _check_duration(duration_s: float | None, max_duration_s: float) -> None:
+def _check_duration(duration_s: float | None, max_duration_s: float, bound: str = "") -> None:
     if duration_s is not None and duration_s > max_duration_s:
-        raise AudioTooLong(f"audio is {duration_s:.1f} s long; the limit is {max_duration_s:g} s")
+        raise AudioTooLong(f"audio is {bound}{duration_s:.1f} s long; the limit is {max_duration_s:g} s")

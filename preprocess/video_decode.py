@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from preprocess.errors import DecodeError, MediaError, MediaTooLarge
 
 VideoSource = str | bytes
 T = TypeVar("T")
+MAX_CONTAINER_FRAMES = 1 << 24  # 3 days at 60 fps; an MP4 sample table claiming more is refused
+_MP4_CONTAINER_BOXES = (b"moov", b"trak", b"mdia", b"minf", b"stbl")
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,53 @@ def _open(src: VideoSource):  # -> decord.VideoReader
 
     if isinstance(src, bytes | bytearray | memoryview) and len(src) == 0:
         raise DecodeError("video is empty (0 bytes)", code="empty_video")
+    if not isinstance(src, str):
+        check_mp4_sample_tables(bytes(src))
     try:
         return decord.VideoReader(io.BytesIO(src) if not isinstance(src, str) else src, num_threads=1)
     except Exception as exc:  # decord raises DECORDError / RuntimeError for anything FFmpeg rejects
         raise DecodeError(f"cannot decode video: {_short(exc)}") from exc
+
+
+def check_mp4_sample_tables(data: bytes) -> None:
+    """Refuse an MP4/MOV whose sample tables claim what the file cannot hold, before decord opens it.
+
+    NOTE: decord 0.6 kills the process on such a file instead of raising: an `stts` claiming >= 2**30 frames
+    aborts it (std::bad_alloc), an `stsz` uniform sample size of 10 MB in a 2 KB file segfaults it.
+
+    Raises:
+        DecodeError: (415) more than `MAX_CONTAINER_FRAMES` frames, or samples larger than the file.
+    """
+    if data[4:8] not in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip"):
+        return  # not ISO base media: other containers go to decord as they are
+    spans = [(0, len(data))]
+    while spans:
+        pos, end = spans.pop()
+        while pos + 8 <= end:
+            size, kind = struct.unpack_from(">I4s", data, pos)
+            header = 8
+            if size == 1 and pos + 16 <= end:  # a 64-bit size follows
+                size, header = struct.unpack_from(">Q", data, pos + 8)[0], 16
+            elif size == 0:  # to the end
+                size = end - pos
+            if size < header:
+                break
+            body, box_end = pos + header, min(pos + size, end)
+            if kind in _MP4_CONTAINER_BOXES:
+                spans.append((body, box_end))
+            elif kind == b"stts" and body + 8 <= box_end:  # version/flags, entry count, (count, delta) pairs
+                # NOTE: FFmpeg reads all the entries the count claims, past the box's end if need be
+                num_entries = min(struct.unpack_from(">I", data, body + 4)[0], (len(data) - body - 8) // 8)
+                counts = np.frombuffer(data, ">u4", 2 * num_entries, body + 8)[0::2]
+                if (num_frames := int(counts.sum(dtype=np.int64))) > MAX_CONTAINER_FRAMES:
+                    raise DecodeError(f"video container claims {num_frames} frames; the limit is "
+                                      f"{MAX_CONTAINER_FRAMES}")
+            elif kind == b"stsz" and body + 12 <= box_end:  # version/flags, uniform sample size, sample count
+                sample_size, num_samples = struct.unpack_from(">II", data, body + 4)
+                if sample_size * num_samples > len(data):
+                    raise DecodeError(f"video container claims {num_samples} samples of {sample_size} bytes in a "
+                                      f"{len(data)}-byte file")
+            pos += size
 
 
 def probe_video(src: VideoSource, max_duration_s: float | None = None, deadline_s: float | None = None) -> VideoInfo:
