@@ -271,6 +271,7 @@ class ServerArgs:
     max_items_per_request: int = 64
     max_body_bytes: int = 64 * 1024 * 1024
     max_inflight_requests: int = 512  # beyond this the gateway answers 429 with Retry-After at once
+    max_worker_items: int = 128  # items queued on one encoder worker; a request that would pass it gets a 429
     api_key: str = ""  # when set, every route but /health needs `Authorization: Bearer <api_key>`
     request_timeout_s: float = 120.0
     log_level: str = "info"
@@ -291,7 +292,8 @@ class ServerArgs:
                      f"--encoders entry {address!r} is not host:port")
         _require(self.max_items_per_request > 0, "max_items_per_request must be > 0")
         _require(self.max_body_bytes > 0, "max_body_bytes must be > 0")
-        _require(self.max_inflight_requests > 0, "max_inflight_requests must be > 0")
+        _require(self.max_inflight_requests > 0 and self.max_worker_items > 0,
+                 "max_inflight_requests and max_worker_items must be > 0")
         _require(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         _require(self.log_level in ("debug", "info", "warning", "error"), "bad log_level")
 

@@ -39,7 +39,8 @@ INFLIGHT = web.AppKey("inflight", list)  # [requests in flight], mutated only on
 
 
 def _error(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)
+    headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
 
 
 @web.middleware
@@ -68,8 +69,7 @@ async def admission_middleware(request: web.Request, handler: Any) -> web.Stream
     state = request.app[INFLIGHT]
     if state[0] >= args.max_inflight_requests:
         metrics.ERRORS.labels("overloaded").inc()
-        return web.json_response(ApiError(429, f"server busy: {state[0]} requests in flight; retry shortly",
-                                          code="overloaded").body(), status=429, headers={"Retry-After": "1"})
+        raise ApiError(429, f"server busy: {state[0]} requests in flight; retry shortly", code="overloaded")
     state[0] += 1
     try:
         return await handler(request)
@@ -113,6 +113,11 @@ async def embeddings(request: web.Request) -> web.Response:
     fleet = request.app[FLEET]
     try:
         groups = fleet.route(req.items)  # items split by the worker that owns their route key
+        busy = [c for c, items in groups.items() if c.num_inflight_items + len(items) > args.max_worker_items]
+        if busy and any(c.num_inflight_items for c in busy):  # NOTE: one request larger than the bound still runs
+            metrics.ERRORS.labels("overloaded").inc()
+            raise ApiError(429, f"encoder worker busy: {busy[0].num_inflight_items} items queued; retry shortly",
+                           code="overloaded")
         parts = await asyncio.gather(*(_encode_group(fleet, client, items, req.inline, req.pooling,
                                                      args.request_timeout_s) for client, items in groups.items()))
         outputs = {index: out for part in parts for index, out in part.items()}
