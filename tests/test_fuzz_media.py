@@ -56,6 +56,13 @@ def address_space_cap(extra: int) -> Iterator[None]:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
+def test_address_space_cap_catches_a_big_allocation() -> None:
+    """The cap the bomb tests run under does fail an allocation of the size a bomb claims."""
+    with address_space_cap(64 * MiB), pytest.raises(MemoryError):
+        np.empty(256 * MiB, np.uint8)
+    assert np.empty(256 * MiB, np.uint8).size == 256 * MiB  # and is lifted afterwards
+
+
 def assert_4xx(error: BaseException) -> None:
     assert isinstance(error, MediaError), f"{type(error).__name__}: {error}"
     assert 400 <= error.status < 500 and error.message and error.code, (error.status, error.message)
@@ -312,6 +319,16 @@ def test_mp4_absurd_header_fields(field: str, value: int) -> None:
     check_video(patch_mp4(VIDEO, field, value))
 
 
+@pytest.mark.parametrize("field", ["tkhd.width", "tkhd.height", "avc1.width"])
+def test_container_dimensions_are_not_trusted(field: str) -> None:
+    """A container claiming 65535x65535 frames: the decoder's size (the bitstream's) is what counts."""
+    out = read_video(patch_mp4(VIDEO, field, 0xFFFF0000 if field.startswith("tkhd") else 0xFFFF), VIDEO_SPEC)
+    assert out.frames.shape == (4, 24, 32, 3)
+    with pytest.raises(MediaError) as info:  # and the pixel limit applies to that size
+        read_video(patch_mp4(VIDEO, field, 0xFFFF), VideoRead(VideoSampling(nframes=4), max_frame_pixels=32 * 23))
+    assert info.value.status == 413
+
+
 @pytest.mark.parametrize(("field", "value"), [("stts.count", 2**30), ("stts.count", 2**32 - 1), ("stts.entries", 9),
                                               ("stsz.size", 10**7), ("stsz.size", 10**8)])
 def test_mp4_tables_that_killed_decord_are_415(field: str, value: int) -> None:
@@ -497,3 +514,30 @@ def test_small_flac_and_mp3_still_decode() -> None:
     """The frame-header bound does not refuse what fits: 2 s of FLAC frames, real MP3."""
     assert decode_audio(flac_bomb(2, declared_samples=2 * 65535)).waveform.numel() == 2 * 65535
     assert abs(decode_audio(VALID_AUDIO[-1]).duration_s - 0.5) < 0.1
+
+
+def flac_streaminfo_mismatch() -> bytes:
+    """Valid 16-bit frames behind a STREAMINFO that says 8 bits: FFmpeg refuses every frame and decord 0.6
+    divides by the sample rate it never learnt (SIGFPE), killing the process that decodes it."""
+    blob = bytearray(flac_bomb(2, declared_samples=2 * 65535))
+    bits = int.from_bytes(blob[18:26], "big")
+    blob[18:26] = ((bits & ~(31 << 36)) | (7 << 36)).to_bytes(8, "big")  # bits per sample - 1 = 7
+    return bytes(blob)
+
+
+def test_decoder_crash_is_contained_by_the_fetch_pool() -> None:
+    """What decord still kills the process on is read in a fetch-pool child: the item fails with 415 (the
+    pool replaces the child; test_fetch_pool covers the replacement)."""
+    import threading
+
+    from preprocess.fetch_pool import FetchPool, FetchTask
+    from preprocess.media_read import AudioRead
+
+    results: list = []
+    done = threading.Semaphore(0)
+    with FetchPool(1, FetchPolicy(), 1 << 20, item_timeout_s=30.0, name="mmenc-fuzz") as pool:
+        pool.submit(FetchTask("data:", flac_streaminfo_mismatch(), audio=AudioRead()),
+                    lambda result: (results.append(result), done.release()))
+        assert done.acquire(timeout=60), "no answer"
+    (crashed,) = results
+    assert crashed.error is not None and crashed.error.status == 415 and "crashed" in crashed.error.message
