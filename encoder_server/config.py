@@ -136,6 +136,8 @@ class PreprocessConfig:
     video_max_pixels: int = 768 * 28 * 28  # per frame
     video_total_pixels: int = int(128000 * 28 * 28 * 0.9)  # all frames together
     video_decode_threads: int = 8  # keyframe-aligned chunks decoded in parallel per video
+    video_decode_backend: str = "decord"  # decord | dali (NVDEC only) | hybrid (CPU chunks + NVDEC side by side)
+    video_dali_decoders: int = 2  # DALI decoders per video for dali / hybrid
     max_video_duration_s: float = 3 * 3600.0
     max_video_decoded_bytes: int = 4 << 30  # the sampled frames at source size (T * H * W * 3)
     video_decode_timeout_s: float = 120.0
@@ -147,7 +149,10 @@ class PreprocessConfig:
                  "need video_fps > 0 and 0 < video_min_frames <= video_max_frames")
         _require(0 < self.video_min_pixels <= self.video_max_pixels and self.video_total_pixels > 0,
                  "need 0 < video_min_pixels <= video_max_pixels and video_total_pixels > 0")
-        _require(self.video_decode_threads > 0, "video_decode_threads must be > 0")
+        _require(self.video_decode_threads > 0 and self.video_dali_decoders > 0,
+                 "video_decode_threads and video_dali_decoders must be > 0")
+        _require(self.video_decode_backend in ("decord", "dali", "hybrid"),
+                 f"video_decode_backend must be decord|dali|hybrid, got {self.video_decode_backend!r}")
         _require(self.max_video_duration_s > 0 and self.max_video_decoded_bytes > 0
                  and self.video_decode_timeout_s > 0 and self.max_audio_duration_s > 0,
                  "video/audio limits must be > 0")

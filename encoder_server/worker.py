@@ -68,6 +68,11 @@ class EncoderWorker:
             self.model.compile_blocks()
             self.warm_up()
         self.is_cuda = self.device.type == "cuda"
+        self.dali_device = (self.device.index or 0) if self.is_cuda else None  # None: DALI's CPU video decoder
+        if prep.video_decode_backend != "decord":
+            from preprocess.video_dali import check_dali
+
+            check_dali(self.dali_device)  # fail at start, not on the first video
         self.upload_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.scheduler: BatchScheduler[Item] = BatchScheduler(worker.max_batch_tokens, worker.max_batch_items,
                                                               worker.max_wait_ms / 1e3)
@@ -133,8 +138,9 @@ class EncoderWorker:
         if item.modality == "video":
             item.sampling = sampling_for(p, spec.options or {})
             item.key_variant = "video:" + json.dumps(dataclasses.asdict(item.sampling), sort_keys=True)
-            read = VideoRead(item.sampling, p.video_decode_threads, p.max_video_duration_s, p.max_source_pixels,
-                             p.max_video_decoded_bytes, p.video_decode_timeout_s)
+            read = VideoRead(item.sampling, p.video_decode_threads, p.video_decode_backend, p.video_dali_decoders,
+                             self.dali_device, p.max_video_duration_s,
+                             p.max_source_pixels, p.max_video_decoded_bytes, p.video_decode_timeout_s)
             return FetchTask(spec.source, blob, video=read, timeout_s=self.video_timeout_s)
         if item.modality == "audio":
             if self.audio is None:

@@ -1,5 +1,9 @@
 """Video and audio reading as a fetch process runs it: bytes -> sampled frames / 16 kHz waveform.
 
+Video decoders: decord on keyframe-aligned CPU chunks (default; frames bit-identical to a sequential read),
+or DALI decoders (NVDEC on a GPU) alone or beside the CPU chunks (`preprocess.video_dali`; colours differ
+from decord's by a few levels).
+
 Images have their own path in `fetch_pool` (header check, then PIL or the GPU). Here the limits that
 protect the worker are checked from the container header before anything big is decoded: duration,
 frame size, and the bytes the sampled frames will take.
@@ -23,7 +27,10 @@ class VideoRead:
     """How one video is sampled and decoded, and the limits it must stay within."""
 
     sampling: VideoSampling
-    num_threads: int = 8  # parallel chunk decoders
+    num_threads: int = 8  # parallel chunk decoders (CPU)
+    backend: str = "decord"  # "decord" (CPU chunks), "dali" (DALI decoders only), "hybrid" (CPU + DALI side by side)
+    num_dali: int = 2  # DALI decoders for "dali" / "hybrid"
+    device_id: int | None = None  # CUDA device of the DALI decoders (NVDEC); None: DALI's CPU decoder
     max_duration_s: float = 3 * 3600.0
     max_frame_pixels: int = 64_000_000  # width * height of the source
     max_frame_bytes: int = 4 << 30  # the sampled frames, decoded (T * H * W * 3)
@@ -62,8 +69,15 @@ def read_video(data: bytes, spec: VideoRead) -> VideoFrames:
         raise MediaTooLarge(f"{len(indices)} sampled {info.width}x{info.height} frames take {num_bytes >> 20} MiB "
                             f"decoded, above the limit of {spec.max_frame_bytes >> 20} MiB; sample fewer frames")
     remaining = max(0.001, deadline - time.monotonic())
-    frames = decode_frames(data, indices, num_chunks=spec.num_threads, deadline_s=remaining,
-                           key_indices=info.key_indices)  # [T, H, W, 3]
+    if spec.backend == "decord":
+        frames = decode_frames(data, indices, num_chunks=spec.num_threads, deadline_s=remaining,
+                               key_indices=info.key_indices)  # [T, H, W, 3]
+    else:
+        from preprocess.video_dali import decode_frames_hybrid
+
+        num_cpu = spec.num_threads if spec.backend == "hybrid" else 0
+        frames = decode_frames_hybrid(data, indices, info.key_indices, num_cpu, spec.num_dali, spec.device_id,
+                                      deadline_s=remaining).cpu()  # [T, H, W, 3]
     return VideoFrames(frames, sample_fps(len(indices), info.num_frames, info.fps), info.num_frames, info.fps)
 
 

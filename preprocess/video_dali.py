@@ -34,6 +34,11 @@ from preprocess.errors import DecodeError, MediaError
 from preprocess.video_decode import plan_chunks
 
 
+def check_dali(device_id: int | None) -> None:
+    """Raise RuntimeError (saying what is missing) unless DALI video decoding can run on `device_id`."""
+    _require_dali(device_id)
+
+
 def _require_dali(device_id: int | None):  # -> the nvidia.dali module
     """Import DALI and check the device; RuntimeError saying what is missing."""
     try:

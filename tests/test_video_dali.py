@@ -138,3 +138,17 @@ def test_nvdec_matches_decord() -> None:
     out = decode_frames_hybrid(data, sorted_indices, info.key_indices, num_cpu=2, num_gpu=2, device_id=0)
     assert out.device.type == "cuda"
     _assert_close_and_right_frames(out.cpu(), data, sorted_indices)
+
+
+@needs_dali
+@pytest.mark.parametrize("backend", ["dali", "hybrid"])
+def test_read_video_with_a_dali_backend(vp9: bytes, backend: str) -> None:
+    """The fetch processes' `read_video` with `--video-decode-backend dali|hybrid` (DALI's CPU decoder here)."""
+    from preprocess.media_read import VideoRead, read_video
+    from preprocess.video_sampling import VideoSampling, sample_indices
+
+    spec = VideoRead(VideoSampling(nframes=8), num_threads=2, backend=backend, num_dali=1, device_id=None)
+    video = read_video(vp9, spec)
+    indices = sample_indices(48, 24.0, VideoSampling(nframes=8))
+    assert video.frames.shape == (8, 96, 128, 3) and video.frames.device.type == "cpu"
+    _assert_close_and_right_frames(video.frames, vp9, indices)
