@@ -18,7 +18,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,8 +29,7 @@ from preprocess.errors import DecodeError, MediaError, MediaTooLarge
 
 VideoSource = str | bytes
 T = TypeVar("T")
-MAX_CONTAINER_FRAMES = 1 << 24  # 3 days at 60 fps; an MP4 sample table claiming more is refused
-_MP4_CONTAINER_BOXES = (b"moov", b"trak", b"mdia", b"minf", b"stbl")
+MAX_CONTAINER_FRAMES = 1 << 24  # 3 days at 60 fps; an MP4 video track claiming more is refused
 
 
 @dataclass(frozen=True)
@@ -65,42 +64,54 @@ def _open(src: VideoSource):  # -> decord.VideoReader
 def check_mp4_sample_tables(data: bytes) -> None:
     """Refuse an MP4/MOV whose sample tables claim what the file cannot hold, before decord opens it.
 
-    NOTE: decord 0.6 kills the process on such a file instead of raising: an `stts` claiming >= 2**30 frames
-    aborts it (std::bad_alloc), an `stsz` uniform sample size of 10 MB in a 2 KB file segfaults it.
+    NOTE: decord 0.6 kills the process on such a file instead of raising: a video `stts` claiming >= 2**30
+    frames aborts it (std::bad_alloc), an `stsz` uniform sample size of 10 MB in a 2 KB file segfaults it.
 
     Raises:
-        DecodeError: (415) more than `MAX_CONTAINER_FRAMES` frames, or samples larger than the file.
+        DecodeError: (415) a video track of more than `MAX_CONTAINER_FRAMES` frames, or samples larger than
+            the file.
     """
     if data[4:8] not in (b"ftyp", b"moov", b"mdat", b"free", b"wide", b"skip"):
         return  # not ISO base media: other containers go to decord as they are
-    spans = [(0, len(data))]
-    while spans:
-        pos, end = spans.pop()
-        while pos + 8 <= end:
-            size, kind = struct.unpack_from(">I4s", data, pos)
-            header = 8
-            if size == 1 and pos + 16 <= end:  # a 64-bit size follows
-                size, header = struct.unpack_from(">Q", data, pos + 8)[0], 16
-            elif size == 0:  # to the end
-                size = end - pos
-            if size < header:
-                break
-            body, box_end = pos + header, min(pos + size, end)
-            if kind in _MP4_CONTAINER_BOXES:
-                spans.append((body, box_end))
-            elif kind == b"stts" and body + 8 <= box_end:  # version/flags, entry count, (count, delta) pairs
-                # NOTE: FFmpeg reads all the entries the count claims, past the box's end if need be
-                num_entries = min(struct.unpack_from(">I", data, body + 4)[0], (len(data) - body - 8) // 8)
-                counts = np.frombuffer(data, ">u4", 2 * num_entries, body + 8)[0::2]
-                if (num_frames := int(counts.sum(dtype=np.int64))) > MAX_CONTAINER_FRAMES:
-                    raise DecodeError(f"video container claims {num_frames} frames; the limit is "
-                                      f"{MAX_CONTAINER_FRAMES}")
-            elif kind == b"stsz" and body + 12 <= box_end:  # version/flags, uniform sample size, sample count
-                sample_size, num_samples = struct.unpack_from(">II", data, body + 4)
-                if sample_size * num_samples > len(data):
-                    raise DecodeError(f"video container claims {num_samples} samples of {sample_size} bytes in a "
-                                      f"{len(data)}-byte file")
-            pos += size
+    for moov in _mp4_boxes(data, 0, len(data), b"moov"):
+        for trak in _mp4_boxes(data, *moov, b"trak"):
+            for mdia in _mp4_boxes(data, *trak, b"mdia"):
+                is_video = any(data[body + 8:body + 12] == b"vide" for body, _ in _mp4_boxes(data, *mdia, b"hdlr"))
+                for minf in _mp4_boxes(data, *mdia, b"minf"):
+                    for stbl in _mp4_boxes(data, *minf, b"stbl"):
+                        for body, end in _mp4_boxes(data, *stbl, b"stts"):
+                            if is_video and body + 8 <= end:  # version/flags, entry count, (count, delta) pairs
+                                _check_frame_count(data, body)
+                        for body, end in _mp4_boxes(data, *stbl, b"stsz"):
+                            if body + 12 <= end:  # version/flags, uniform sample size, sample count
+                                sample_size, num_samples = struct.unpack_from(">II", data, body + 4)
+                                if sample_size * num_samples > len(data):
+                                    raise DecodeError(f"video container claims {num_samples} samples of "
+                                                      f"{sample_size} bytes in a {len(data)}-byte file")
+
+
+def _check_frame_count(data: bytes, stts_body: int) -> None:
+    # NOTE: FFmpeg reads all the entries the count claims, past the box's end if need be
+    num_entries = min(struct.unpack_from(">I", data, stts_body + 4)[0], (len(data) - stts_body - 8) // 8)
+    counts = np.frombuffer(data, ">u4", 2 * num_entries, stts_body + 8)[0::2]
+    if (num_frames := int(counts.sum(dtype=np.int64))) > MAX_CONTAINER_FRAMES:
+        raise DecodeError(f"video container claims {num_frames} frames; the limit is {MAX_CONTAINER_FRAMES}")
+
+
+def _mp4_boxes(data: bytes, pos: int, end: int, kind: bytes) -> Iterator[tuple[int, int]]:
+    """(body start, body end) of each box of type `kind` directly inside `data[pos:end]`."""
+    while pos + 8 <= end:
+        size, box = struct.unpack_from(">I4s", data, pos)
+        header = 8
+        if size == 1 and pos + 16 <= end:  # a 64-bit size follows
+            size, header = struct.unpack_from(">Q", data, pos + 8)[0], 16
+        elif size == 0:  # to the end
+            size = end - pos
+        if size < header:
+            return
+        if box == kind:
+            yield pos + header, min(pos + size, end)
+        pos += size
 
 
 def probe_video(src: VideoSource, max_duration_s: float | None = None, deadline_s: float | None = None) -> VideoInfo:
