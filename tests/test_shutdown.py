@@ -3,7 +3,6 @@ behind but the (deliberately persistent) embedding cache arena."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
