@@ -21,3 +21,5 @@ async def json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None

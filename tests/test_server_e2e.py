@@ -190,6 +190,8 @@ def test_malformed_bodies(server) -> None:
     assert status == 400 and body["error"]["param"] == "input"
     status, body = server.post("/v1/embeddings", None, raw=b"[" + b"1," * 3_000_000 + b"1]")
     assert status == 413, body
+    status, body = server.post("/v1/embeddings", None, raw=b"[" * 100_000)  # would overflow Python's parser stack
+    assert status == 400 and "nested too deeply" in body["error"]["message"]
     status, body = _embed(server, "data:,x", encoding_format="hex")
     assert status == 400 and body["error"]["param"] == "encoding_format"
     status, body = server.get("/v1/nope")
