@@ -92,7 +92,8 @@ def _cache(ns: argparse.Namespace) -> int:
 # `mmenc bench NAME` -> the module whose `main(argv)` runs it (imported only when chosen)
 BENCHES = {"vit": "bench.vit", "preprocess": "bench.preprocess", "serve": "bench.serve", "cache": "bench.cache",
            "video": "bench.video", "audio": "bench.audio", "engine": "bench.engine",
-           "engine-prefix": "bench.engine_prefix", "soak": "bench.soak", "chat": "bench.chat"}
+           "engine-prefix": "bench.engine_prefix", "soak": "bench.soak", "chat": "bench.chat",
+           "video-serve": "bench.video_serve"}
 
 
 def _bench(ns: argparse.Namespace, rest: list[str]) -> int:
