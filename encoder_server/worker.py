@@ -45,6 +45,7 @@ from preprocess.video_sampling import frame_size
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+FETCH_START_TIMEOUT_S = 120.0
 
 
 class EncoderWorker:
@@ -82,6 +83,9 @@ class EncoderWorker:
                                     item_timeout_s=fetch.fetch_timeout_s + 5.0, name=f"mmenc-fetch-{index}",
                                     max_result_bytes=max_result_bytes)
         self.video_timeout_s = fetch.fetch_timeout_s + prep.video_decode_timeout_s + 5.0
+        if not self.fetch_pool.wait_ready(FETCH_START_TIMEOUT_S):  # ready means ready: no first-request stall
+            log.warning("%s: fetch processes not all started after %.0f s; serving anyway", self.name,
+                        FETCH_START_TIMEOUT_S)
         ready = m.WorkerReady(self.fingerprint, str(self.device), vc.out_hidden_size, os.getpid())
         self.io = WorkerIO(address, self.on_request, ready)
         self._local = threading.local()  # one PUSH socket per publishing thread (sockets are not thread-safe)

@@ -267,6 +267,7 @@ class FetchPool:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._children: list[_Child] = []
+        self._all_ready = threading.Event()  # every child has started once (imports done)
         try:
             for i in range(num_procs):
                 self._children.append(self._start_child(i, self._new_arena(min(_MIN_ARENA_BYTES,
@@ -302,6 +303,11 @@ class FetchPool:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until every child has finished starting (its imports), so the first items do not wait for
+        them; False if that takes longer than `timeout_s`."""
+        return self._all_ready.wait(timeout_s)
 
     @property
     def num_alive(self) -> int:
@@ -379,6 +385,8 @@ class FetchPool:
     def _on_message(self, child: _Child, msg: object) -> None:
         if msg == _READY:
             child.is_ready, self._num_startup_failures = True, 0
+            if all(c.is_ready for c in self._children):
+                self._all_ready.set()
         elif isinstance(msg, _Grow):
             old = child.arena
             child.arena = self._new_arena(max(msg.num_bytes, min(2 * old.size, self._max_arena_bytes)))

@@ -162,6 +162,14 @@ def test_children_reuse_http_connections(pool: FetchPool, images: dict[str, byte
         assert server.num_connections <= 2  # one per child at most
 
 
+def test_wait_ready_returns_once_children_started() -> None:
+    start = time.monotonic()
+    with FetchPool(2, POLICY, MAX_PIXELS, item_timeout_s=10.0, name="mmenc-tfp-ready") as fresh:
+        assert fresh.wait_ready(60) and fresh.num_alive == 2
+        assert fresh.wait_ready(0)  # stays true
+    assert time.monotonic() - start < 60
+
+
 def test_children_are_named(pool: FetchPool) -> None:
     names = set()
     for child in multiprocessing.active_children():
