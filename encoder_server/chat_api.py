@@ -58,8 +58,11 @@ def _sampling(body: dict[str, Any], max_completion_tokens: int) -> tuple[dict[st
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
             isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise ApiError(400, f"'stop' must be a string or a list of up to {MAX_STOP} non-empty strings", param="stop")
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: generate max_tokens whatever the model says
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "'ignore_eos' must be a boolean", param="ignore_eos")
     sampling = {"temperature": _number(body, "temperature", 0, 2, 1.0), "top_p": _number(body, "top_p", 0, 1, 1.0),
-                "max_tokens": max_tokens, "seed": seed}
+                "max_tokens": max_tokens, "seed": seed, "ignore_eos": ignore_eos}
     if sampling["top_p"] == 0:
         raise ApiError(400, "'top_p' must be > 0", param="top_p")
     return sampling, tuple(stop)

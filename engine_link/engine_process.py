@@ -156,7 +156,8 @@ class EngineServer:
                                                 error_message="duplicate request id", error_status=400))
             return
         try:
-            params = SamplingParams(**msg.sampling, stop_token_ids=tuple(self.tok.eos_ids))
+            stop_ids = () if msg.sampling.get("ignore_eos") else tuple(self.tok.eos_ids)
+            params = SamplingParams(**msg.sampling, stop_token_ids=stop_ids)
         except (TypeError, ValueError) as e:
             self.io.send(identity, p.TokenDelta(msg.request_id, finished=True, error_code="invalid_request",
                                                 error_message=str(e), error_status=400))
