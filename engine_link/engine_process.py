@@ -125,7 +125,10 @@ class EngineServer:
             while event is not None:
                 if event == "stop":
                     return
-                self.handle(event)
+                try:
+                    self.handle(event)
+                except Exception:  # NOTE: one malformed message must not take the engine (and all requests) down
+                    log.exception("engine: failed to handle %s", type(event).__name__)
                 try:
                     event = self.inbox.get_nowait()
                 except queue.Empty:
@@ -169,6 +172,9 @@ class EngineServer:
             return
         if self.link is None:
             self.fail(req, "unsupported_content", "this engine has no encoder fleet for media", 400)
+            return
+        if sum(it.inline for it in msg.items) != len(frames):
+            self.fail(req, "invalid_request", "inline media count does not match the request's frames", 400)
             return
         inline = iter(frames)
         blobs = {it.index: next(inline) for it in msg.items if it.inline}

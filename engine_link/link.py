@@ -173,20 +173,28 @@ class EncoderLink:
                             break
                         submitted, self._submitted = list(self._submitted), collections.deque()
                     for request_id, items, blobs, pooling in submitted:
-                        self._route(request_id, items, blobs, pooling)
+                        self._guarded(self._route, request_id, items, blobs, pooling)
                 for node, sock in self._dealers.items():
                     if sock in events:
                         self._last_seen[node] = time.monotonic()
-                        self._on_dealer(node, sock.recv_multipart())
+                        self._guarded(self._on_dealer, node, sock.recv_multipart())
                 if self._pull in events:
-                    self._on_result(self._pull.recv_multipart(copy=False))
-                self._expire(time.monotonic())
-                self._ping(time.monotonic())
+                    self._guarded(self._on_result, self._pull.recv_multipart(copy=False))
+                self._guarded(self._expire, time.monotonic())
+                self._guarded(self._ping, time.monotonic())
         except Exception:
             log.exception("encoder link IO thread failed")
         finally:
             for sock in (self._pull, self._wake, self._waker, *self._dealers.values()):
                 sock.close(linger=0)
+
+    @staticmethod
+    def _guarded(step, *args) -> None:  # noqa: ANN001
+        """Run one handler; a bug in it is logged and costs that message, not the link (and every request)."""
+        try:
+            step(*args)
+        except Exception:
+            log.exception("encoder link: %s failed", step.__name__)
 
     def _route(self, request_id: str, items: list[m.EncodeItem], blobs: dict[int, bytes], pooling: str) -> None:
         deadline = time.monotonic() + self.cfg.item_timeout_s

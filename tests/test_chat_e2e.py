@@ -165,25 +165,25 @@ def test_unreachable_image_is_a_400_naming_it(server, media) -> None:
     assert "404" in answer["error"]["message"]
 
 
+def _wait_engine_running(server, predicate, timeout_s: float = 20.0) -> int:
+    """Poll /health until the engine's request count (refreshed by its pings, every 2 s) satisfies `predicate`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate(running := server.get("/health")[1]["engine"]["running"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return running
+
+
 def test_client_disconnect_mid_stream_aborts_the_request(server) -> None:
+    assert _wait_engine_running(server, lambda n: n == 0) == 0  # what earlier tests left has drained
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 3000, "stream": True,
             "temperature": 0, "ignore_eos": True}  # minutes of tokens on this CPU unless aborted
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200 and response.readline().startswith(b"data: ")  # generation runs
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and server.get("/health")[1]["engine"]["running"] == 0:
-        time.sleep(0.2)  # the engine's load shows up in /health with its next ping (every 2 s)
-    assert server.get("/health")[1]["engine"]["running"] == 1
+    assert _wait_engine_running(server, lambda n: n == 1) == 1
     conn.close()  # the client goes away
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        _, health = server.get("/health")
-        if health["engine"]["running"] == 0:
-            break
-        time.sleep(0.2)
-    assert health["engine"]["running"] == 0  # aborted long before its 2000 tokens
+    assert _wait_engine_running(server, lambda n: n == 0) == 0  # aborted long before its 3000 tokens
 
 
 def test_worker_killed_mid_request_fails_cleanly_or_retries(server, client, media) -> None:
