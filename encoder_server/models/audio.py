@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from encoder_server.config import AUDIO_PRESETS, AudioConfig
-from encoder_server.models.loader import _read_state_dict, init_random, load_weights, weights_fingerprint
+from encoder_server.models.loader import init_random, load_weights, read_state_dict, weights_fingerprint
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -160,7 +160,7 @@ def load_audio(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedAud
             raise ValueError(f"{spec!r} is neither a preset {sorted(AUDIO_PRESETS)} nor a directory with config.json")
         cfg = AudioConfig.from_hf_dict(json.loads(config_path.read_text()))
         model = AudioEncoder(cfg)
-        weights = _encoder_weights(_read_state_dict(directory), directory)
+        weights = _encoder_weights(read_state_dict(directory), directory)
         load_weights(model, weights, directory)
         fingerprint = weights_fingerprint(cfg, weights)
     model = model.to(device=device, dtype=dtype).prepare_for_inference()

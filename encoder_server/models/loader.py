@@ -51,7 +51,8 @@ def init_random(model: VisionTransformer, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
 
-def _read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the `*.safetensors` files in `directory` (ValueError when there are none)."""
     from safetensors.torch import load_file
 
     files = sorted(directory.glob("*.safetensors"))
@@ -111,7 +112,7 @@ def load_vision(spec: str, device: torch.device, dtype: torch.dtype, attn_backen
             raise ValueError(f"{spec!r} is neither a preset {sorted(VISION_PRESETS)} nor a directory with config.json")
         cfg = VisionConfig.from_hf_dict(json.loads(config_path.read_text()))
         model = VisionTransformer(cfg, attn_backend)
-        weights = _vision_weights(_read_state_dict(directory), directory)
+        weights = _vision_weights(read_state_dict(directory), directory)
         load_weights(model, weights, directory)
         fingerprint = weights_fingerprint(cfg, weights)
     model = model.to(device=device, dtype=dtype).prepare_for_inference()

@@ -9,38 +9,18 @@ from pathlib import Path
 
 import torch
 
+from encoder_server.models.loader import read_state_dict, resolve_device, resolve_dtype
 from engine_link.engine.config import MODEL_PRESETS, EngineModelConfig
 from engine_link.engine.model import MiMoV2FlashForCausalLM, init_random
+
+__all__ = ["load_model", "load_tokenizer", "resolve_device", "resolve_dtype", "save_model"]
 
 _IGNORED_PREFIXES = ("model.mtp.",)  # multi-token-prediction heads in the released checkpoint
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{directory}: no *.safetensors files")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return {k: v for k, v in state.items() if not k.startswith(_IGNORED_PREFIXES)}
+    return {k: v for k, v in read_state_dict(directory).items() if not k.startswith(_IGNORED_PREFIXES)}
 
 
 def checkpoint_to_model_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
