@@ -63,7 +63,9 @@ def test_two_hundred_concurrent_clients_all_get_an_answer(server) -> None:
     answers = asyncio.run(main())
     assert len(answers) == 200  # none lost or reset (an exception would have failed gather)
     assert all(status == 200 or (status == 429 and retry == "1") for status, retry, _ in answers), answers
-    assert sum(status == 200 for status, _, _ in answers) >= 8
+    # The worker admits --max-worker-items 4 at once, so at least the first 4 it sees are answered; how many
+    # more fit depends on how fast this machine encodes while the rest arrive.
+    assert sum(status == 200 for status, _, _ in answers) >= 4
     assert any(status == 429 for status, _, _ in answers)
 
 
