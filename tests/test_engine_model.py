@@ -197,3 +197,26 @@ def test_mid_head_shapes_match_transformers(tmp_path) -> None:
         logits = ref(torch.tensor([prompt + out.token_ids[:-1]])).logits[0, len(prompt) - 1:]
     assert (out.logits - logits).abs().max().item() < 1e-4
     assert logits.argmax(-1).tolist() == out.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_the_per_expert_loop(dtype) -> None:
+    """The grouped-GEMM expert path (the default) against the per-expert loop (the fallback), with experts
+    that get no token, one token and many, and a token whose top-k repeats no expert twice."""
+    from engine_link.engine.moe import Experts
+
+    cfg = EngineModelConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2)
+    experts = Experts(cfg)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    experts = experts.to(dtype)
+    x = torch.randn(11, 64, generator=gen).to(dtype)
+    idx = torch.tensor([[0, 1]] * 6 + [[1, 2], [2, 5], [5, 0], [0, 2], [7, 1]])  # experts 3, 4, 6 idle
+    weights = torch.rand(11, 2, generator=gen)
+    grouped = experts(x, idx, weights)
+    assert experts.grouped is True, "this torch has torch._grouped_mm on CPU: the grouped path must run"
+    loop = experts._loop(x, idx, weights)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped.float(), loop.float(), rtol=tol, atol=tol)

@@ -5,11 +5,15 @@ expert. Weight names and layout follow transformers (`mlp.gate.weight`, `mlp.gat
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine_link.engine.config import EngineModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class TopkRouter(nn.Module):
@@ -44,14 +48,48 @@ class TopkRouter(nn.Module):
 
 
 class Experts(nn.Module):
+    """Routed experts. Assignments (token, expert) are sorted by expert and run as two grouped GEMMs
+    (`torch._grouped_mm`, offsets on the device): a fixed dozen ops per layer whatever the batch, and no
+    device-to-host sync, where a loop over active experts costs ~8 ops per expert and a `.tolist()` sync.
+    Falls back to that loop where this torch has no grouped GEMM for the device / dtype / shapes.
+    """
+
     def __init__(self, cfg: EngineModelConfig) -> None:
         super().__init__()
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.grouped: bool | None = None  # None: not tried yet on this device / dtype
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x: [T, D]; topk_idx/topk_weights: [T, k] -> [T, D]. One gathered GEMM pair per active expert.
+        """x: [T, D]; topk_idx/topk_weights: [T, k] -> [T, D]."""
+        if self.grouped is not False and hasattr(torch, "_grouped_mm"):
+            try:
+                out = self._grouped(x, topk_idx, topk_weights)
+                self.grouped = True
+                return out
+            except RuntimeError as e:
+                if self.grouped:  # worked before on these weights: a real failure, not a missing kernel
+                    raise
+                log.info("grouped expert GEMM unavailable on %s %s (%s); looping over experts",
+                         x.device.type, x.dtype, str(e).splitlines()[0][:200])
+                self.grouped = False
+        return self._loop(x, topk_idx, topk_weights)
+
+    def _grouped(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        num_tokens, k = topk_idx.shape
+        flat_idx = topk_idx.reshape(-1)  # [T * k]
+        order = flat_idx.argsort(stable=True)  # assignments grouped by expert
+        ends = torch.bincount(flat_idx, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)  # [E]
+        xs = x[order // k]  # [T * k, D]
+        gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)  # [T*k, I]
+        h = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)  # [T * k, D]
+        weighted = torch.empty(num_tokens * k, x.shape[1], dtype=torch.float32, device=x.device)
+        weighted[order] = h.float() * topk_weights.reshape(-1)[order, None]  # back to (token, slot) order
+        return weighted.view(num_tokens, k, -1).sum(dim=1).to(x.dtype)
+
+    def _loop(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """One gathered GEMM pair per active expert.
 
         NOTE: index_put_(accumulate) rather than index_add_, which takes ~50 ms per call on CPU in this torch.
         """
