@@ -1,9 +1,9 @@
 """KV storage of the two pools and the per-request slot tables that address it.
 
 `KVCache` owns one (K, V) tensor pair per layer: full-attention layers index the full pool
-(`num_full_slots` rows), SWA layers the SWA pool (`num_swa_slots` rows). Which slot is free is the
-allocators' business (`kv_pool.SlotAllocator`); which slot holds which position of a request is the
-request's `SlotTable`.
+(`num_full_slots` rows), SWA layers the SWA pool (`num_swa_slots` rows, plus the always-zero sink row).
+Which slot is free is the allocators' business (`kv_pool.SlotAllocator`); which slot holds which
+position of a request is the request's `SlotTable`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ class KVCache:
     def __init__(self, cfg: EngineModelConfig, num_full_slots: int, num_swa_slots: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.num_full_slots, self.num_swa_slots = num_full_slots, num_swa_slots
+        self.dtype = dtype
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sink_slot = num_swa_slots  # SWA layers' extra last row: never allocated, stays zero (attention's sink)
         for layer in range(cfg.num_hidden_layers):
-            rows = num_swa_slots if cfg.is_swa(layer) else num_full_slots
+            rows = num_swa_slots + 1 if cfg.is_swa(layer) else num_full_slots
             heads = cfg.num_kv_heads(layer)
             k = torch.zeros(rows, heads, cfg.head_dim, device=device, dtype=dtype)  # [slots, Hkv, Dh]
             v = torch.zeros(rows, heads, cfg.v_head_dim, device=device, dtype=dtype)  # [slots, Hkv, Dv]

@@ -16,10 +16,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """Normalized in float32, scaled in x's dtype (as transformers' MiMo-V2-Flash RMSNorm)."""
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -39,7 +37,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = getattr(self, f"{kind}_inv_freq")
         freqs = positions[:, None].float() * inv_freq.float()  # [T, rot / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rot]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, rot]: broadcast over heads
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -49,9 +47,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, rot] with rot <= D; the last D - rot channels pass through."""
+    """x: [T, H, D]; cos/sin: [T, 1, rot] with rot <= D; the last D - rot channels pass through."""
     rot = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rot]
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
 

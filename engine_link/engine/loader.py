@@ -74,7 +74,7 @@ def save_model(model: MiMoV2FlashForCausalLM, directory: str | Path) -> None:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2))
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}  # clone: q/k/v share storage
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(model_to_checkpoint_names(state), str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -49,12 +49,15 @@ class MiMoV2FlashForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> MiMoV2FlashForCausalLM:
-        """Move to `device`/`dtype`, keeping the routers in float32 (as transformers keeps them); eval mode."""
+        """Move to `device`/`dtype`, keeping the routers in float32 (as transformers keeps them); fuse each layer's
+        q/k/v projections into one GEMM; eval mode."""
         self.to(device=device, dtype=dtype)
         for module in self.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.float()
         self.model.rotary_emb.float()
+        for layer in self.model.layers:
+            layer.self_attn.fuse_qkv()
         return self.eval()
 
     @torch.inference_mode()

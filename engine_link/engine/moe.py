@@ -34,17 +34,22 @@ class TopkRouter(nn.Module):
         """x: [T, D] -> (weights [T, k] float32, expert ids [T, k])."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias  # [T, E]
-        grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group)  # [T, G, E/G]
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]  # [T, kg]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # [T, G]
-        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)  # [T, E]
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        if self.topk_group < self.num_group:
+            choice = self._best_groups_only(choice)
         topk_idx = choice.topk(self.top_k, dim=-1, sorted=False)[1]  # [T, k]
         weights = scores.gather(1, topk_idx)  # [T, k]
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, topk_idx
+
+    def _best_groups_only(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with the experts outside each token's `topk_group` best groups set to -inf."""
+        grouped = choice.view(-1, self.num_group, self.num_experts // self.num_group)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]  # [T, kg]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # [T, G]
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, self.num_experts)  # [T, E]
+        return choice.masked_fill(~expert_mask, float("-inf"))
 
 
 class Experts(nn.Module):

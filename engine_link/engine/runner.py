@@ -41,7 +41,8 @@ class ModelRunner:
                 sample_seqs.append(seq)
             row += n
         # NOTE: one attention group per query length (all decodes together; equal chunks together): no padding
-        groups = [self._group(items, n) for n, items in by_len.items()]
+        whole = len(by_len) == 1  # one group holds every row in packed order: no gather / scatter of rows
+        groups = [self._group(items, n, whole) for n, items in by_len.items()]
         meta = AttnMetadata(groups, torch.cat(full_write).to(self.device), torch.cat(swa_write).to(self.device))
         embeds = None
         if embed_rows:
@@ -58,11 +59,12 @@ class ModelRunner:
                     seq.logits.append(logits[i].cpu())
         return [tokens.get(id(seq)) for seq, _ in scheduled]
 
-    def _group(self, items: list[tuple[int, Sequence, int, int]], q_len: int) -> AttnGroup:
-        rows = torch.cat([torch.arange(r, r + n) for r, _, _, n in items])
+    def _group(self, items: list[tuple[int, Sequence, int, int]], q_len: int, whole: bool) -> AttnGroup:
+        rows = None if whole else torch.cat([torch.arange(r, r + n) for r, _, _, n in items])
         starts = [start for _, _, start, _ in items]
         full = [seq.slots.full[:start + n] for _, seq, start, n in items]
         swa = [seq.slots.swa[max(0, start - self.window + 1):start + n] for _, seq, start, n in items]
         if any(bool((table < 0).any()) for table in swa):  # NOTE: slot -1 would silently read another row
             raise RuntimeError("internal error: released SWA KV inside a query's window")
-        return build_group(rows, starts, q_len, full, swa, self.window, self.device)
+        return build_group(rows, starts, q_len, full, swa, self.window, self.kv.sink_slot, self.device,
+                           self.kv.dtype)
