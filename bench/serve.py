@@ -28,11 +28,31 @@ import aiohttp
 from bench.loadgen import LoadSpec, Progress, get_text, json_or_none, run_load
 from bench.media import ImageMix, MediaServer, RequestFactory, generate_images
 from bench.procs import ManagedServer, compare_embeddings, health_status
-from bench.serve_report import label_values, parse_metrics, ratios, server_stats, summarize
+from bench.serve_report import (
+    WorkerSamples,
+    label_values,
+    parse_metrics,
+    per_worker_stats,
+    ratios,
+    server_stats,
+    starved_fraction,
+    summarize,
+    worker_samples,
+)
 
 COLUMNS = ["server", "step", "ok", "errors", "rps", "img_s", "tokens_s", "p50_ms", "p90_ms", "p99_ms", "mean_ms",
            "fetch_ms", "decode_ms", "queue_ms", "preprocess_ms", "encode_ms", "total_ms", "forwards",
            "items_per_forward", "tokens_per_forward", "busy_fraction"]
+
+
+WORKER_COLUMNS = ["step", "worker", "forwards", "item_share", "items_per_forward", "tokens_per_forward",
+                  "busy_fraction", "queue_depth_mean", "queue_depth_max", "starved_fraction"]
+
+
+def worker_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per (step, worker): the fleet's balance."""
+    return [{"step": r["step"], "starved_fraction": _cell(r.get("starved_fraction")),
+             **{k: _cell(v) for k, v in w.items()}} for r in rows for w in r.get("workers") or []]
 
 
 def _floats(text: str) -> list[float]:
@@ -87,13 +107,17 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> str | None:
     return text if status == 200 else None
 
 
-async def _sample_queue_depth(session: aiohttp.ClientSession, url: str, interval_s: float, out: list[float]) -> None:
+async def _sample_timeline(session: aiohttp.ClientSession, url: str, interval_s: float, depths: list[float],
+                           timeline: list[tuple[float, WorkerSamples]]) -> None:
+    """Every `interval_s`: the total queue depth, and each worker's samples (queue depth, busy seconds)."""
     while True:
         await asyncio.sleep(interval_s)
-        samples = parse_metrics(await _metrics(session, url))
+        text = await _metrics(session, url)
+        samples = parse_metrics(text)
         if samples is None or "mmenc_queue_depth" not in samples:
             return
-        out.append(samples["mmenc_queue_depth"])
+        depths.append(samples["mmenc_queue_depth"])
+        timeline.append((time.perf_counter(), worker_samples(text)))
 
 
 def _one_line(label: str, row: dict[str, Any]) -> str:
@@ -141,7 +165,8 @@ async def run_target(name: str, url: str, steps: list[float], a: argparse.Namesp
                                make_factory(), a)
             before = await _metrics(session, url)
             depths: list[float] = []
-            sampler = asyncio.create_task(_sample_queue_depth(session, url, a.metrics_interval_s, depths))
+            timeline: list[tuple[float, WorkerSamples]] = [(time.perf_counter(), worker_samples(before))]
+            sampler = asyncio.create_task(_sample_timeline(session, url, a.metrics_interval_s, depths, timeline))
             label = f"{name} {'rate' if is_open else 'c'}={step:g}"
             with Progress(label, enabled=not a.no_progress) as progress:
                 records, wall_s = await run_load(session, spec, factory, progress)
@@ -151,7 +176,9 @@ async def run_target(name: str, url: str, steps: list[float], a: argparse.Namesp
             row = {"server": name, "step": step, "mode": "open" if is_open else "closed",
                    "concurrency": spec.concurrency, "rate": spec.rate,
                    **summarize(records, wall_s),
-                   **server_stats(parse_metrics(before), parse_metrics(after), wall_s, workers, depths)}
+                   **server_stats(parse_metrics(before), parse_metrics(after), wall_s, workers, depths),
+                   "starved_fraction": starved_fraction(timeline),
+                   "workers": per_worker_stats(worker_samples(before), worker_samples(after), wall_s, timeline)}
             rows.append(row)
             print(_one_line(label, row), flush=True)
     return rows
@@ -258,6 +285,8 @@ def _report(a: argparse.Namespace, argv: list[str], mix: ImageMix, extra: dict[s
     path = write_results(a.name, a.out_dir, payload)
     table_rows = [{k: _cell(v) for k, v in r.items()} for r in rows + naive_rows]
     print(markdown_table(table_rows, COLUMNS))
+    if any(len(r.get("workers") or []) > 1 for r in rows):
+        print(markdown_table(worker_table(rows), WORKER_COLUMNS))
     best = max(rows, key=lambda r: r["img_s"])
     step = f"{'rate' if best['mode'] == 'open' else 'concurrency'} {best['step']:g}"
     busy = f", busy {best['busy_fraction']:.2f}" if best["busy_fraction"] is not None else ""

@@ -4,11 +4,16 @@ Server-side batch statistics come from the deltas of the Prometheus metrics the 
 `mmenc_forwards_total`, `mmenc_forward_items` and `mmenc_forward_tokens` (histograms),
 `mmenc_encode_busy_seconds_total` and the `mmenc_queue_depth` gauge. A metric the server does not
 export (an older server, or the naive baseline without `/metrics`) gives null fields, not an error.
+
+Per worker (the samples' `worker` label): forwards, share of the items, items and patches per forward, busy
+fraction and queue depth, and the balance figure of a data-parallel fleet: the share of sampling intervals
+in which one worker was under half busy while another had items queued at both ends of the interval.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -17,6 +22,8 @@ from bench.loadgen import RequestRecord
 
 STAGES = ("fetch", "decode", "queue", "preprocess", "encode")
 Samples = dict[str, float]  # sample name -> value summed over all label sets
+WorkerSamples = dict[str, Samples]  # worker -> sample name -> value summed over the other labels
+BUSY, DEPTH = "mmenc_encode_busy_seconds_total", "mmenc_queue_depth"
 
 
 def parse_metrics(text: str | None) -> Samples | None:
@@ -46,6 +53,60 @@ def label_values(text: str | None, sample_name: str, label: str) -> set[str]:
                 if s.name == sample_name and label in s.labels}
     except ValueError:
         return set()
+
+
+def worker_samples(text: str | None) -> WorkerSamples:
+    """The samples that carry a `worker` label, summed per worker and sample name."""
+    if not text:
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: WorkerSamples = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if "worker" in sample.labels:
+                    per = out.setdefault(sample.labels["worker"], {})
+                    per[sample.name] = per.get(sample.name, 0.0) + float(sample.value)
+    except ValueError:
+        return {}
+    return out
+
+
+def per_worker_stats(before: WorkerSamples, after: WorkerSamples, wall_s: float,
+                     timeline: list[tuple[float, WorkerSamples]]) -> list[dict[str, Any]]:
+    """One row per worker seen in `after`; `timeline` holds (time, per-worker samples) scraped during the run."""
+    total_items = sum(_delta(before.get(w), a, "mmenc_forward_items_sum") or 0.0 for w, a in after.items())
+    rows = []
+    for worker in sorted(after):
+        b, a = before.get(worker), after[worker]
+        items = _delta(b, a, "mmenc_forward_items_sum")
+        depths = [snap[worker].get(DEPTH, 0.0) for _, snap in timeline if worker in snap]
+        rows.append({
+            "worker": worker, "forwards": _delta(b, a, "mmenc_forwards_total"), "items": items,
+            "item_share": _ratio(items, total_items),
+            "items_per_forward": _ratio(items, _delta(b, a, "mmenc_forward_items_count")),
+            "tokens_per_forward": _ratio(_delta(b, a, "mmenc_forward_tokens_sum"),
+                                         _delta(b, a, "mmenc_forward_tokens_count")),
+            "busy_fraction": _ratio(_delta(b, a, BUSY), wall_s),
+            "queue_depth_mean": _mean(depths), "queue_depth_max": max(depths) if depths else None,
+        })
+    return rows
+
+
+def starved_fraction(timeline: list[tuple[float, WorkerSamples]]) -> float | None:
+    """Share of sampling intervals in which some worker was under half busy while another had items queued at
+    both ends of the interval: work waited that an idle worker could have done. None with fewer than 2 workers."""
+    starved = intervals = 0
+    for (t0, s0), (t1, s1) in pairwise(timeline):
+        workers = sorted(set(s0) & set(s1))
+        if len(workers) < 2 or t1 <= t0:
+            continue
+        intervals += 1
+        idle = {w for w in workers if (s1[w].get(BUSY, 0.0) - s0[w].get(BUSY, 0.0)) / (t1 - t0) < 0.5}
+        queued = {w for w in workers if min(s0[w].get(DEPTH, 0.0), s1[w].get(DEPTH, 0.0)) > 0}
+        starved += any(q != w for q in queued for w in idle)
+    return starved / intervals if intervals else None
 
 
 def _delta(before: Samples | None, after: Samples | None, name: str) -> float | None:

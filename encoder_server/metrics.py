@@ -27,9 +27,9 @@ ITEMS = Counter("mmenc_items_total", "Media items received by workers", ["modali
 ERRORS = Counter("mmenc_errors_total", "Failed items by error code", ["code"])
 STAGE_SECONDS = Histogram("mmenc_stage_seconds", "Per-item time in each stage", ["stage"], buckets=_LATENCY_BUCKETS)
 FORWARDS = Counter("mmenc_forwards_total", "Encoder forwards", ["worker", "modality"])
-FORWARD_ITEMS = Histogram("mmenc_forward_items", "Items per encoder forward",
+FORWARD_ITEMS = Histogram("mmenc_forward_items", "Items per encoder forward", ["worker"],
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-FORWARD_TOKENS = Histogram("mmenc_forward_tokens", "Patches per encoder forward",
+FORWARD_TOKENS = Histogram("mmenc_forward_tokens", "Patches per encoder forward", ["worker"],
                            buckets=(256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144))
 ENCODE_BUSY = Counter("mmenc_encode_busy_seconds_total", "Time spent in encoder forwards", ["worker"])
 QUEUE_DEPTH = Gauge("mmenc_queue_depth", "Items fetched and waiting for a forward", ["worker"],

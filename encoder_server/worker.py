@@ -359,8 +359,8 @@ class EncoderWorker:
         encode_s = (flight.events[0].elapsed_time(flight.events[1]) / 1e3 if flight.events
                     else time.perf_counter() - flight.started)
         metrics.FORWARDS.labels(self.name, flight.items[0].modality).inc()
-        metrics.FORWARD_ITEMS.observe(len(flight.items))
-        metrics.FORWARD_TOKENS.observe(sum(it.num_patches for it in flight.items))
+        metrics.FORWARD_ITEMS.labels(self.name).observe(len(flight.items))
+        metrics.FORWARD_TOKENS.labels(self.name).observe(sum(it.num_patches for it in flight.items))
         metrics.ENCODE_BUSY.labels(self.name).inc(encode_s)
         for i, it in enumerate(flight.items):
             it.timings_ms["encode"] = encode_s * 1e3

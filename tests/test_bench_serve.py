@@ -12,7 +12,14 @@ from PIL import Image
 
 from bench.media import ImageMix, RequestFactory, with_nonce
 from bench.serve import main
-from bench.serve_report import parse_metrics, server_stats, summarize
+from bench.serve_report import (
+    parse_metrics,
+    per_worker_stats,
+    server_stats,
+    starved_fraction,
+    summarize,
+    worker_samples,
+)
 from tests.server_process import ServerProcess, free_port
 
 FAST = ["--mix", "224", "--distinct", "4", "--warmup-requests", "4", "--no-progress"]
@@ -48,14 +55,21 @@ def test_closed_loop_with_naive_baseline(tmp_path):
 
 
 def test_open_loop_against_running_server(tmp_path):
-    with ServerProcess("--allow-private-urls", "--device", "cpu") as server:
+    with ServerProcess("--allow-private-urls", "--device", "cpu", "--num-workers", "2") as server:
         result = _run(tmp_path, "--url", server.url, "--rate", "8", "--duration", "2", "--items-per-request", "2",
-                      "--as-data-uri")
+                      "--as-data-uri", "--metrics-interval-s", "0.5")
     (row,) = result["rows"]
     _check_row(row)
     assert row["mode"] == "open" and row["rate"] == 8
     assert row["img_s"] == pytest.approx(2 * row["rps"])
     assert result["baseline"] is None and result["ratio"] is None
+    # Per-worker balance: unique bytes hash over both workers; their forwards add up to the fleet's.
+    workers = row["workers"]
+    assert [w["worker"] for w in workers] == ["worker-0", "worker-1"]
+    assert all(w["forwards"] > 0 and 0 < w["item_share"] < 1 for w in workers)
+    assert sum(w["forwards"] for w in workers) == row["forwards"]
+    assert sum(w["item_share"] for w in workers) == pytest.approx(1.0)
+    assert row["starved_fraction"] is not None and 0 <= row["starved_fraction"] <= 1
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
@@ -129,3 +143,23 @@ def test_summary_of_no_successes_has_null_latencies():
 
     row = summarize([RequestRecord(0.0, 0.1, 503, "unavailable", 1)], wall_s=1.0)
     assert row["ok"] == 0 and row["p50_ms"] is None and row["error_classes"] == {"503 unavailable": 1}
+
+
+def test_per_worker_stats_and_starvation():
+    before, after = worker_samples(METRICS_BEFORE), worker_samples(METRICS_AFTER)
+    assert set(before) == {"0", "1"}  # the unlabeled histogram samples belong to no worker
+    rows = per_worker_stats(before, after, wall_s=4.0, timeline=[])
+    assert [(r["worker"], r["forwards"], r["busy_fraction"]) for r in rows] == [("0", 10, 0.5), ("1", 10, 0.5)]
+
+    def snap(busy0: float, depth0: float, busy1: float, depth1: float) -> dict:
+        return {"0": {"mmenc_encode_busy_seconds_total": busy0, "mmenc_queue_depth": depth0},
+                "1": {"mmenc_encode_busy_seconds_total": busy1, "mmenc_queue_depth": depth1}}
+
+    # 3 intervals of 1 s: both busy; worker 1 idle while worker 0 keeps a queue (starved); worker 1 idle with
+    # nothing queued anywhere (fine).
+    timeline = [(0.0, snap(0, 2, 0, 1)), (1.0, snap(1, 3, 1, 0)), (2.0, snap(2, 4, 1.1, 0)),
+                (3.0, snap(2.1, 0, 1.2, 0))]
+    assert starved_fraction(timeline) == pytest.approx(1 / 3)
+    rows = per_worker_stats(timeline[0][1], timeline[-1][1], 3.0, timeline)
+    assert rows[0]["queue_depth_max"] == 4 and rows[1]["queue_depth_mean"] == 0.25
+    assert starved_fraction([(0.0, {"0": {}}), (1.0, {"0": {}})]) is None  # one worker: no balance to judge
