@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from encoder_server import json_splice, metrics
 from encoder_server import messages as m
-from encoder_server import metrics
 from encoder_server.api import ApiError, build_embeddings_response, parse_embeddings_request
 from encoder_server.config import ServerArgs
 from encoder_server.engine_client import EngineClient
@@ -130,7 +130,7 @@ async def embeddings(request: web.Request) -> web.Response:
                                          {"parse": round(parse_ms, 3), "total": round(total_ms, 3)})
     log.debug("embeddings: %d items, %d tokens, %.1f ms", len(req.items), response["usage"]["total_tokens"],
              total_ms)
-    return web.json_response(response)
+    return web.Response(body=json_splice.dumps(response), content_type="application/json")
 
 
 async def models(request: web.Request) -> web.Response:

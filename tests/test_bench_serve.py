@@ -163,3 +163,15 @@ def test_per_worker_stats_and_starvation():
     rows = per_worker_stats(timeline[0][1], timeline[-1][1], 3.0, timeline)
     assert rows[0]["queue_depth_max"] == 4 and rows[1]["queue_depth_mean"] == 0.25
     assert starved_fraction([(0.0, {"0": {}}), (1.0, {"0": {}})]) is None  # one worker: no balance to judge
+
+
+def test_load_generator_skips_embedding_strings_only():
+    from bench.loadgen import without_embedding_strings
+
+    body = {"data": [{"embedding": "QUJD" * 100, "num_tokens": 3, "timings_ms": {"encode": 1.0}},
+                     {"embedding": [0.5, 1.5], "num_tokens": 4}], "timings_ms": {"total": 2.0}}
+    for text in (json.dumps(body), json.dumps(body, separators=(",", ":"))):
+        parsed = json.loads(without_embedding_strings(text.encode()))
+        assert parsed["data"][0] == {"embedding": "", "num_tokens": 3, "timings_ms": {"encode": 1.0}}
+        assert parsed["data"][1] == body["data"][1] and parsed["timings_ms"] == {"total": 2.0}
+    assert without_embedding_strings(b'{"embedding":"QUJD') == b'{"embedding":"QUJD'  # truncated: left as is
