@@ -118,8 +118,9 @@ class RequestFactory:
 
     def __init__(self, mix: ImageMix, images: dict[str, list[bytes]], media: MediaServer | None,
                  items_per_request: int, *, is_data_uri: bool, is_unique: bool, encoding_format: str,
-                 nonces: Iterator[int], seed: int = 0) -> None:
+                 nonces: Iterator[int], seed: int = 0, pooling: str | None = None) -> None:
         self.mix, self.images, self.media = mix, images, media
+        self.pooling = pooling
         self.items_per_request, self.is_data_uri, self.is_unique = items_per_request, is_data_uri, is_unique
         self.encoding_format, self.nonces = encoding_format, nonces
         self._rng = random.Random(seed)
@@ -141,6 +142,8 @@ class RequestFactory:
         """(JSON body, number of images)."""
         inputs = [self._source() for _ in range(self.items_per_request)]
         body = {"input": inputs, "encoding_format": self.encoding_format}
+        if self.pooling:
+            body["pooling"] = self.pooling
         return json.dumps(body).encode(), len(inputs)
 
 

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--items-per-request", type=int, default=1)
     p.add_argument("--as-data-uri", action="store_true", help="send base64 data URIs instead of URLs")
     p.add_argument("--encoding-format", default="base64", choices=["base64", "float"])
+    p.add_argument("--pooling", help="request pooling (server default: mean); none returns every token's embedding")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, default=8, help="closed loop: virtual users")
     mode.add_argument("--sweep", type=_ints, help="closed loop: several concurrencies, one row each (1,4,16,64)")
@@ -245,7 +246,8 @@ def _run(a: argparse.Namespace, argv: list[str]) -> int:
 
         def make_factory() -> RequestFactory:
             return RequestFactory(mix, images, media, a.items_per_request, is_data_uri=a.as_data_uri,
-                                  is_unique=a.unique, encoding_format=a.encoding_format, nonces=nonces, seed=a.seed)
+                                  is_unique=a.unique, encoding_format=a.encoding_format, nonces=nonces, seed=a.seed,
+                                  pooling=a.pooling)
 
         rows = asyncio.run(run_target("mmenc", url, steps, a, make_factory))
         naive_rows, baseline_info = [], None
@@ -277,7 +279,8 @@ def _report(a: argparse.Namespace, argv: list[str], mix: ImageMix, extra: dict[s
     payload = {
         "bench": "serve", "mode": rows[0]["mode"], "mix": mix.describe(), "distinct": a.distinct,
         "unique_bytes": a.unique, "items_per_request": a.items_per_request, "as_data_uri": a.as_data_uri,
-        "encoding_format": a.encoding_format, "duration_s": a.duration, "num_requests": a.num_requests,
+        "encoding_format": a.encoding_format, "pooling": a.pooling, "duration_s": a.duration,
+        "num_requests": a.num_requests,
         "warmup_requests": a.warmup_requests, **extra,
         "env": environment(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "argv": argv, "rows": rows + naive_rows, "ratio": ratio,

@@ -273,6 +273,7 @@ class ServerArgs:
     worker_host: str = "127.0.0.1"  # with --worker-port: the interface worker endpoints bind
     worker_port: int = 0  # 0: workers listen on local ipc sockets; P: worker i on tcp://worker_host:P+i
     encoders: str = ""  # remote workers (host:port,...) of `mmenc serve --worker-port` on other machines
+    api_processes: int = 1  # HTTP processes sharing --port (SO_REUSEPORT): >1 spreads JSON/base64 work over cores
     max_items_per_request: int = 64
     max_body_bytes: int = 64 * 1024 * 1024
     max_inflight_requests: int = 512  # beyond this the gateway answers 429 with Retry-After at once
@@ -291,7 +292,12 @@ class ServerArgs:
         _require(self.num_workers != 0 or bool(self.encoder_addresses),
                  "num_workers 0 needs --encoders host:port,... (someone must encode)")
         _require(0 <= self.worker_port < 65536, f"worker_port out of range: {self.worker_port}")
+        _require(1 <= self.api_processes <= 64, "api_processes must be in 1..64")
+        _require(self.api_processes == 1 or self.port != 0, "api_processes > 1 needs a fixed --port (not 0)")
         for address in self.encoder_addresses:
+            if address.startswith("ipc://"):  # a local worker's socket (the API front processes use these)
+                _require(len(address) > len("ipc://"), f"--encoders entry {address!r} names no socket path")
+                continue
             host, _, port = address.removeprefix("tcp://").rpartition(":")
             _require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
                      f"--encoders entry {address!r} is not host:port")
@@ -304,8 +310,9 @@ class ServerArgs:
 
     @property
     def encoder_addresses(self) -> list[str]:
-        """ZeroMQ addresses of the remote workers in `encoders`."""
-        return ["tcp://" + a.strip().removeprefix("tcp://") for a in self.encoders.split(",") if a.strip()]
+        """ZeroMQ addresses of the remote workers in `encoders` (host:port means tcp://host:port)."""
+        return [a if a.startswith(("tcp://", "ipc://")) else "tcp://" + a
+                for a in (x.strip() for x in self.encoders.split(",")) if a]
 
 
 # --------------------------------------------------------------------------------------------- CLI

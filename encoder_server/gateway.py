@@ -36,6 +36,7 @@ class WorkerPicker(Protocol):
 
 FLEET = web.AppKey("fleet", WorkerPicker)
 INFLIGHT = web.AppKey("inflight", list)  # [requests in flight], mutated only on the event loop
+API_PROCESS = web.AppKey("api_process", int)
 
 
 def _error(exc: ApiError) -> web.Response:
@@ -146,7 +147,8 @@ async def health(request: web.Request) -> web.Response:
                 "pid": c.ready.pid if c.ready else None,
                 "error": c.dead_reason, "inflight_items": c.num_inflight_items} for c in request.app[FLEET].clients]
     ok = any(w["ready"] for w in workers)
-    body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "workers": workers}
+    body: dict[str, Any] = {"status": "ok" if ok else "unavailable", "api_process": request.app[API_PROCESS],
+                            "workers": workers}
     if (engine := request.app.get(ENGINE)) is not None:
         ready = engine.ready
         body["engine"] = {"address": engine.address, "ready": ready is not None, "pid": ready.pid if ready else None,
@@ -160,13 +162,16 @@ async def metrics_text(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-def build_app(args: ServerArgs, fleet: WorkerPicker, engine: EngineClient | None = None) -> web.Application:
-    """The aiohttp app over `fleet` (anything with `clients` and `pick`) and, for the chat routes, `engine`."""
+def build_app(args: ServerArgs, fleet: WorkerPicker, engine: EngineClient | None = None,
+              api_process: int = 0) -> web.Application:
+    """The aiohttp app over `fleet` (anything with `clients` and `pick`) and, for the chat routes, `engine`;
+    `api_process`: which of the `--api-processes` HTTP processes serves it (reported by /health)."""
     app = web.Application(middlewares=[metrics_middleware, error_middleware, admission_middleware],
                           client_max_size=args.max_body_bytes)
     app[ARGS] = args
     app[INFLIGHT] = [0]
     app[FLEET] = fleet
+    app[API_PROCESS] = api_process
     if engine is not None:
         app[ENGINE] = engine
     add_routes(app)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from encoder_server.api_fronts import ApiFronts, ApiFrontsUnavailable, share
 from encoder_server.config import ServerArgs
 from encoder_server.engine_client import EngineUnavailable
 from encoder_server.engine_supervisor import EngineSupervisor
@@ -61,7 +62,10 @@ def serve(args: ServerArgs, run_dir: Path) -> None:
     fleet = Fleet(args, run_dir)
     engine = (EngineSupervisor(args, run_dir, [s.address for s in fleet.slots]) if args.engine.llm != "none"
               else None)
-    app = build_app(args, fleet, engine.client if engine else None)
+    fronts = None
+    if args.api_processes > 1:  # NOTE: the workers' and engine's sockets are the fronts' peers
+        fronts = ApiFronts(args, [s.address for s in fleet.slots], engine.bind if engine else None)
+    app = build_app(share(args), fleet, engine.client if engine else None)
 
     async def start_fleet(app: web.Application) -> None:
         await fleet.start()
@@ -74,9 +78,18 @@ def serve(args: ServerArgs, run_dir: Path) -> None:
             except EngineUnavailable:
                 await fleet.stop()
                 raise
+        if fronts is not None:
+            try:
+                await fronts.start()
+            except ApiFrontsUnavailable:
+                await stop_fleet(app)
+                raise
+            log.info("%d HTTP processes share port %d", args.api_processes, args.port)
         print(banner(args), flush=True)
 
     async def stop_fleet(app: web.Application) -> None:
+        if fronts is not None:
+            await fronts.stop()
         if engine is not None:
             await engine.stop()
         await fleet.stop()
@@ -86,10 +99,13 @@ def serve(args: ServerArgs, run_dir: Path) -> None:
     app.on_cleanup.append(stop_fleet)
     try:
         # NOTE: a deep accept backlog, so a burst of connections waits for an answer instead of being reset
-        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, backlog=4096)
+        web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, backlog=4096,
+                    reuse_port=fronts is not None)
     except WorkerUnavailable as e:
         raise SystemExit(f"mmenc: error: the encoder fleet did not start: {e} (see the log above)") from None
     except EngineUnavailable as e:
         raise SystemExit(f"mmenc: error: the engine did not start: {e} (see the log above)") from None
+    except ApiFrontsUnavailable as e:
+        raise SystemExit(f"mmenc: error: {e}") from None
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
