@@ -175,3 +175,18 @@ def test_load_generator_skips_embedding_strings_only():
         assert parsed["data"][0] == {"embedding": "", "num_tokens": 3, "timings_ms": {"encode": 1.0}}
         assert parsed["data"][1] == body["data"][1] and parsed["timings_ms"] == {"total": 2.0}
     assert without_embedding_strings(b'{"embedding":"QUJD') == b'{"embedding":"QUJD'  # truncated: left as is
+
+
+def test_bench_response_and_its_wide_model(tmp_path, capsys):
+    from bench.response import main as response_main
+
+    assert response_main(["--tokens", "4,16", "--out-dim", "64", "--iters", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "gateway_before_ms" in table and table.count("\n") >= 4
+    assert response_main(["--save-model", str(tmp_path / "vit"), "--out-dim", "96"]) == 0
+    import torch
+
+    from encoder_server.models.loader import load_vision
+
+    loaded = load_vision(str(tmp_path / "vit"), torch.device("cpu"), torch.float32)
+    assert loaded.cfg.out_hidden_size == 96
