@@ -348,7 +348,7 @@ class EncoderWorker:
         pooled, tokens = to_host(pooled), to_host(out) if need_tokens else None
         if events:
             events[2].record()
-        return InFlight(prep.items, pooled, tokens, lengths, started, events)
+        return InFlight(prep.items, pooled, tokens, lengths, events, time.perf_counter() - started)
 
     def finish(self, flight: InFlight) -> None:
         """Wait for the forward's results on the host, then publish each item."""
@@ -356,8 +356,9 @@ class EncoderWorker:
             flight.events[2].synchronize()  # this forward's copies only, not the forward queued after it
         pooled = flight.pooled  # [N, D]
         per_item = flight.tokens.split(flight.lengths) if flight.tokens is not None else None  # [tokens, D] each
+        # NOTE: not the time until finish(): the next batch was prepared in between (the busy figure would pass 1)
         encode_s = (flight.events[0].elapsed_time(flight.events[1]) / 1e3 if flight.events
-                    else time.perf_counter() - flight.started)
+                    else flight.host_forward_s)
         metrics.FORWARDS.labels(self.name, flight.items[0].modality).inc()
         metrics.FORWARD_ITEMS.labels(self.name).observe(len(flight.items))
         metrics.FORWARD_TOKENS.labels(self.name).observe(sum(it.num_patches for it in flight.items))

@@ -58,8 +58,8 @@ class InFlight:
     pooled: torch.Tensor  # [N, D] host; valid once the copy event has passed
     tokens: torch.Tensor | None  # [T, D] host, model dtype: for pooling "none" and for the cache
     lengths: list[int]  # output tokens per item
-    started: float
     events: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None  # start, end, copies done
+    host_forward_s: float = 0.0  # without CUDA: the forward ran synchronously in launch(), this long
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
