@@ -47,6 +47,26 @@ class Ring:
             raise LookupError("the ring has no nodes")
         return node
 
+    def node_within_bound(self, route_key: str, loads: Mapping[str, float], balance: float, slack: float) -> str:
+        """Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam 2018): the first node clockwise
+        from `route_key` whose load is under `balance` x the mean load (this key included) + `slack`; the owner
+        when every node is at the bound. With idle nodes this is `node_for`; under load a hot or unlucky node's
+        keys spill to its ring successors, so no node queues far more than the others.
+
+        Args:
+            loads: current load per node (missing: 0), e.g. items in flight.
+            balance: >= 1; the bound's multiple of the mean.
+            slack: absolute headroom, so small bursts at low load keep to their owners.
+        Raises:
+            LookupError: when the ring has no nodes.
+        """
+        with self._lock:
+            order = list(self._ring.iterate_nodes(route_key)) if self._ring.conf else []
+        if not order:
+            raise LookupError("the ring has no nodes")
+        bound = balance * (sum(loads.get(n, 0) for n in order) + 1) / len(order) + slack
+        return next((n for n in order if loads.get(n, 0) < bound), order[0])
+
     def add(self, node: str, weight: int = 1) -> None:
         """Add `node` (or change its weight); adding a node already there with the same weight is a no-op."""
         _check_weight(node, weight)

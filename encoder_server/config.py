@@ -273,6 +273,7 @@ class ServerArgs:
     worker_host: str = "127.0.0.1"  # with --worker-port: the interface worker endpoints bind
     worker_port: int = 0  # 0: workers listen on local ipc sockets; P: worker i on tcp://worker_host:P+i
     encoders: str = ""  # remote workers (host:port,...) of `mmenc serve --worker-port` on other machines
+    route_balance: float = 1.25  # bounded loads: past this x the mean items in flight (+4), keys go to the next node
     api_processes: int = 1  # HTTP processes sharing --port (SO_REUSEPORT): >1 spreads JSON/base64 work over cores
     max_items_per_request: int = 64
     max_body_bytes: int = 64 * 1024 * 1024
@@ -293,6 +294,7 @@ class ServerArgs:
                  "num_workers 0 needs --encoders host:port,... (someone must encode)")
         _require(0 <= self.worker_port < 65536, f"worker_port out of range: {self.worker_port}")
         _require(1 <= self.api_processes <= 64, "api_processes must be in 1..64")
+        _require(self.route_balance == 0 or self.route_balance >= 1, "route_balance must be 0 (off) or >= 1")
         _require(self.api_processes == 1 or self.port != 0, "api_processes > 1 needs a fixed --port (not 0)")
         for address in self.encoder_addresses:
             if address.startswith("ipc://"):  # a local worker's socket (the API front processes use these)

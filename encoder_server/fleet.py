@@ -33,6 +33,7 @@ PING_INTERVAL_S = 2.0
 PING_TIMEOUT_S = 30.0  # a worker whose socket thread is silent this long is killed and restarted
 REMOTE_START_TIMEOUT_S = 30.0
 REMOTE_PING_TIMEOUT_S = 6.0
+ROUTE_SLACK = 4  # items a worker may hold above the bounded-load limit (small bursts keep to their owners)
 MAX_BACKOFF_S = 30.0
 
 
@@ -130,13 +131,27 @@ class Fleet:
 
     def route(self, items: list[m.EncodeItem]) -> dict[WorkerClient, list[m.EncodeItem]]:
         """Split items by the ready worker that owns each one's route key on the ring (same media, same
-        worker, so its cache hits); least-loaded for items without a key."""
+        worker, so its cache hits), with bounded loads (`--route-balance`): a worker holding more than that
+        multiple of the mean items in flight (+ ROUTE_SLACK) passes keys on to its ring successor, so an
+        unlucky split of the ring or a hot key cannot leave one GPU queueing while another idles (the cache is
+        machine-wide, so a local spill still hits). Least-loaded for items without a key."""
         groups: dict[WorkerClient, list[m.EncodeItem]] = {}
+        loads = {s.address: s.client.num_inflight_items for s in self.slots if s.client.ready is not None}
+        balance = self.args.route_balance
         for item in items:
             try:
-                client = self._by_address[self.ring.node_for(item.route_key)] if item.route_key else self.pick()
+                if not item.route_key:
+                    client = self.pick()
+                elif balance:
+                    address = self.ring.node_within_bound(item.route_key, loads, balance, ROUTE_SLACK)
+                    if address != self.ring.node_for(item.route_key):
+                        metrics.ROUTE_SPILLS.inc()
+                    client = self._by_address[address]
+                else:
+                    client = self._by_address[self.ring.node_for(item.route_key)]
             except LookupError:
                 raise WorkerUnavailable("no encoder worker is ready") from None
+            loads[client.address] = loads.get(client.address, 0) + 1
             groups.setdefault(client, []).append(item)
         return groups
 

@@ -36,6 +36,7 @@ QUEUE_DEPTH = Gauge("mmenc_queue_depth", "Items fetched and waiting for a forwar
                     multiprocess_mode="livesum")
 CACHE_LOOKUPS = Counter("mmenc_cache_lookups_total", "Embedding cache lookups: kind route|content, result hit|miss",
                         ["kind", "result"])
+ROUTE_SPILLS = Counter("mmenc_route_spills_total", "Items sent past their ring owner by bounded-load routing")
 WORKER_RESTARTS = Counter("mmenc_worker_restarts_total", "Encoder worker restarts by the supervisor", ["worker"])
 
 

@@ -160,3 +160,37 @@ def test_cache_cli_stats_and_clear(fleet, media) -> None:
     assert json.loads(mmenc("stats"))["entries"] == 0
     status, body = _embed(fleet, [media.url("/c6.jpg")])
     assert status == 200 and "cache" not in body["data"][0]["timings_ms"]
+
+
+def test_bounded_loads_spill_a_burst_past_its_owner(fleet, media) -> None:
+    """24 new images whose keys all belong to one worker, in one request: with --route-balance 1.25 (default)
+    the owner keeps at most 1.25 x the mean + 4 of them (19), its ring successor takes the rest."""
+    from cache.keys import route_key
+    from cache.ring import Ring
+
+    _, health = fleet.get("/health")
+    ring = Ring([w["address"] for w in health["workers"]])
+    owner = None
+    urls: list[str] = []
+    for i in range(400):
+        media.add(f"/burst{i}.jpg", jpeg(64, 48, seed=900 + i))
+        url = media.url(f"/burst{i}.jpg")
+        node = ring.node_for(route_key(url=url))
+        owner = owner or node
+        if node == owner:
+            urls.append(url)
+        if len(urls) == 24:
+            break
+    before = _counters(fleet)
+    status, body = _embed(fleet, urls)
+    after = _counters(fleet)
+    assert status == 200 and len(body["data"]) == 24
+    spilled = _get(after, "mmenc_route_spills_total") - _get(before, "mmenc_route_spills_total")
+    loads: dict[str, int] = {}
+    for url in urls:  # the gateway's rule, nothing in flight before the request
+        node = ring.node_within_bound(route_key(url=url), loads, 1.25, 4)
+        loads[node] = loads.get(node, 0) + 1
+    assert loads[owner] == 19 and spilled == 24 - loads[owner] == 5
+    workers = {dict(lbl)["worker"] for (n, lbl), v in after.items()
+               if n == "mmenc_forwards_total" and v > before.get((n, lbl), 0.0)}
+    assert workers == {"worker-0", "worker-1"}

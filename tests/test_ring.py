@@ -150,3 +150,32 @@ def test_lookups_race_with_add_and_remove() -> None:
         t.join(timeout=60)
     assert not errors
     assert set(NODES[:4]) <= set(ring.nodes)
+
+
+def test_bounded_loads_keep_owners_when_idle_and_spill_in_ring_order() -> None:
+    ring = Ring(NODES)
+    reference = HashRing({n: 1 for n in NODES}, hash_fn="ketama")
+    for key in KEYS[:500]:
+        assert ring.node_within_bound(key, {}, balance=1.25, slack=4) == ring.node_for(key)
+    key = KEYS[0]
+    order = list(reference.iterate_nodes(key))
+    loads = {order[0]: 50, order[1]: 50, order[2]: 0}  # bound: 1.25 * 101 / len + 4
+    expected = next(n for n in order if loads.get(n, 0) < 1.25 * 101 / len(NODES) + 4)
+    assert ring.node_within_bound(key, loads, balance=1.25, slack=4) == expected == order[2]
+    full = {n: 1000 for n in NODES}
+    assert ring.node_within_bound(key, {n: 0 for n in NODES} | {order[0]: 1000}, 1.25, 4) == order[1]
+    assert ring.node_within_bound(key, full, 1.0, 0) == order[0]  # everyone at the bound: the owner
+    with pytest.raises(LookupError):
+        Ring().node_within_bound(key, {}, 1.25, 4)
+
+
+def test_bounded_loads_even_out_an_unlucky_split() -> None:
+    """Two nodes whose arcs split keys ~53/47: with loads counted as keys arrive, no node passes the bound."""
+    nodes = ["ipc:///tmp/mmenc-abc/worker-0", "ipc:///tmp/mmenc-abc/worker-1"]
+    ring = Ring(nodes)
+    plain = Counter(ring.node_for(k) for k in KEYS)
+    loads: Counter[str] = Counter()
+    for key in KEYS:
+        loads[ring.node_within_bound(key, loads, balance=1.05, slack=1)] += 1
+    assert max(plain.values()) / len(KEYS) > 0.52  # the arcs are unequal
+    assert max(loads.values()) <= 1.05 * len(KEYS) / 2 + 1
