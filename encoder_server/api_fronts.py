@@ -24,10 +24,11 @@ from aiohttp import web
 
 from encoder_server import metrics
 from encoder_server.config import ServerArgs
-from encoder_server.engine_client import EngineClient
+from encoder_server.engine_client import EngineClient, EngineUnavailable
 from encoder_server.fleet import Fleet
 from encoder_server.gateway import build_app
 from encoder_server.logs import die_with_parent, set_process_name, setup_logging
+from encoder_server.worker_client import WorkerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class ApiFronts:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        """Start every front and wait until each listens; raise RuntimeError if one fails to."""
+        """Start every front and wait until each listens; raise ApiFrontsUnavailable if one does not."""
         waits = [self._spawn(index) for index in self._backoff_s]
         loop = asyncio.get_running_loop()
         ok = await asyncio.gather(*(loop.run_in_executor(None, ready.wait, START_TIMEOUT_S) for ready in waits))
@@ -122,7 +123,11 @@ def front_main(index: int, args: ServerArgs, worker_addresses: list[str], engine
     die_with_parent()
     set_process_name(f"mmenc-api-{index}")
     setup_logging(args.log_level)
-    asyncio.run(_serve(index, args, worker_addresses, engine_address, ready))
+    try:
+        asyncio.run(_serve(index, args, worker_addresses, engine_address, ready))
+    except (WorkerUnavailable, EngineUnavailable) as e:  # the supervisor restarts us with backoff
+        log.error("mmenc-api-%d cannot serve: %s", index, e)
+        raise SystemExit(1) from None
 
 
 async def _serve(index: int, args: ServerArgs, worker_addresses: list[str], engine_address: str | None,

@@ -272,7 +272,7 @@ class ServerArgs:
     num_workers: int = -1  # local encoder workers; -1: one per visible GPU (one on the CPU); 0: none (--encoders)
     worker_host: str = "127.0.0.1"  # with --worker-port: the interface worker endpoints bind
     worker_port: int = 0  # 0: workers listen on local ipc sockets; P: worker i on tcp://worker_host:P+i
-    encoders: str = ""  # remote workers (host:port,...) of `mmenc serve --worker-port` on other machines
+    encoders: str = ""  # remote workers (host:port or ipc://path, ...) of `mmenc serve --worker-port` elsewhere
     route_balance: float = 1.25  # bounded loads: past this x the mean items in flight (+4), keys go to the next node
     api_processes: int = 1  # HTTP processes sharing --port (SO_REUSEPORT): >1 spreads JSON/base64 work over cores
     max_items_per_request: int = 64
