@@ -64,21 +64,22 @@ class Experts(nn.Module):
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
-        self.grouped: bool | None = None  # None: not tried yet on this device / dtype
+        self.grouped: dict[tuple[str, torch.dtype], bool] = {}  # (device type, dtype) -> grouped GEMM works
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; topk_idx/topk_weights: [T, k] -> [T, D]."""
-        if self.grouped is not False and hasattr(torch, "_grouped_mm"):
+        where = (x.device.type, x.dtype)
+        if self.grouped.get(where) is not False and hasattr(torch, "_grouped_mm"):
             try:
                 out = self._grouped(x, topk_idx, topk_weights)
-                self.grouped = True
+                self.grouped[where] = True
                 return out
             except RuntimeError as e:
-                if self.grouped:  # worked before on these weights: a real failure, not a missing kernel
+                if self.grouped.get(where):  # worked before here: a real failure, not a missing kernel
                     raise
                 log.info("grouped expert GEMM unavailable on %s %s (%s); looping over experts",
                          x.device.type, x.dtype, str(e).splitlines()[0][:200])
-                self.grouped = False
+                self.grouped[where] = False
         return self._loop(x, topk_idx, topk_weights)
 
     def _grouped(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
