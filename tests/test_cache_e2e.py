@@ -194,3 +194,23 @@ def test_bounded_loads_spill_a_burst_past_its_owner(fleet, media) -> None:
     workers = {dict(lbl)["worker"] for (n, lbl), v in after.items()
                if n == "mmenc_forwards_total" and v > before.get((n, lbl), 0.0)}
     assert workers == {"worker-0", "worker-1"}
+
+
+def test_bench_serve_open_loop_against_this_fleet(fleet, tmp_path) -> None:
+    """`mmenc bench serve --url` (open loop) against this running 2-worker fleet: per-worker balance rows."""
+    from tests.test_bench_serve import _check_row, _run
+
+    result = _run(tmp_path, "--url", fleet.url, "--rate", "8", "--duration", "2", "--items-per-request", "2",
+                  "--as-data-uri", "--metrics-interval-s", "0.5")
+    (row,) = result["rows"]
+    _check_row(row)
+    assert row["mode"] == "open" and row["rate"] == 8
+    assert row["img_s"] == pytest.approx(2 * row["rps"])
+    assert result["baseline"] is None and result["ratio"] is None
+    # Per-worker balance: unique bytes hash over both workers; their forwards add up to the fleet's.
+    workers = row["workers"]
+    assert [w["worker"] for w in workers] == ["worker-0", "worker-1"]
+    assert all(w["forwards"] > 0 and 0 < w["item_share"] < 1 for w in workers)
+    assert sum(w["forwards"] for w in workers) == row["forwards"]
+    assert sum(w["item_share"] for w in workers) == pytest.approx(1.0)
+    assert row["starved_fraction"] is not None and 0 <= row["starved_fraction"] <= 1
