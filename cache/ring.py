@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 
 from uhashring import HashRing
 
+ROUTE_SLACK = 4  # items a node may hold above the bounded-load limit (small bursts keep to their owners)
+
 
 class Ring:
     """Thread-safe consistent hashing of route keys to node names (e.g. `tcp://host:port`).

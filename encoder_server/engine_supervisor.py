@@ -51,7 +51,8 @@ class EngineSupervisor:
     def _spawn(self) -> None:
         engine = self.args.engine
         proc = self._ctx.Process(target=engine_main, name="mmenc-engine", daemon=False, args=(
-            self.bind, self.workers, engine.llm, engine.overrides(), self.args.log_level, engine.llm_overlap))
+            self.bind, self.workers, engine.llm, engine.overrides(), self.args.log_level, engine.llm_overlap,
+            self.args.route_balance))
         proc.start()
         self.proc = proc
         asyncio.get_running_loop().add_reader(proc.sentinel, self._on_exit, proc)

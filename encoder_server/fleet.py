@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cache.ring import Ring
+from cache.ring import ROUTE_SLACK, Ring
 from encoder_server import messages as m
 from encoder_server import metrics
 from encoder_server.config import ServerArgs
@@ -33,7 +33,6 @@ PING_INTERVAL_S = 2.0
 PING_TIMEOUT_S = 30.0  # a worker whose socket thread is silent this long is killed and restarted
 REMOTE_START_TIMEOUT_S = 30.0
 REMOTE_PING_TIMEOUT_S = 6.0
-ROUTE_SLACK = 4  # items a worker may hold above the bounded-load limit (small bursts keep to their owners)
 MAX_BACKOFF_S = 30.0
 
 

@@ -32,7 +32,7 @@ from encoder_server import messages as m
 from engine_link import protocol as p
 from engine_link.chat_tokenizer import Tokenizer, Turn, load_chat_tokenizer, render_chat
 from engine_link.engine import LLM, Prompt, SamplingParams, StepOutput
-from engine_link.link import EncoderLink, ItemEvent
+from engine_link.link import EncoderLink, ItemEvent, LinkConfig
 from engine_link.projector import Projector
 
 log = logging.getLogger(__name__)
@@ -99,14 +99,15 @@ class EngineIO:
 
 
 class EngineServer:
-    def __init__(self, address: str, workers: list[str], model: str, overlap: bool = True, **overrides: Any) -> None:
+    def __init__(self, address: str, workers: list[str], model: str, overlap: bool = True,
+                 link: LinkConfig | None = None, **overrides: Any) -> None:
         self.inbox: queue.Queue = queue.Queue()
         self.overlap = overlap  # admit on sizes (True) or only once every embedding is in
         self.llm = LLM(model, **overrides)
         cfg = self.llm.model_config
         self.tok: Tokenizer = load_chat_tokenizer(model, cfg.vocab_size)
         self.projector = Projector(cfg.hidden_size, self.llm.device, self.llm.dtype, seed=cfg.seed)
-        self.link = EncoderLink(workers, events=self.inbox) if workers else None
+        self.link = EncoderLink(workers, cfg=link, events=self.inbox) if workers else None
         self.ready = p.EngineReady(model, cfg.vocab_size, cfg.hidden_size, os.getpid())
         self.requests: dict[str, _Request] = {}
         start = time.perf_counter()
@@ -284,7 +285,7 @@ class EngineServer:
 
 
 def engine_main(address: str, workers: list[str], model: str, overrides: dict[str, Any],
-                log_level: str = "info", overlap: bool = True) -> None:
+                log_level: str = "info", overlap: bool = True, route_balance: float = 1.25) -> None:
     """Process entry point (spawned by the supervisor)."""
     import signal
 
@@ -294,7 +295,7 @@ def engine_main(address: str, workers: list[str], model: str, overrides: dict[st
     die_with_parent()
     set_process_name("mmenc-engine")
     setup_logging(log_level)
-    server = EngineServer(address, workers, model, overlap, **overrides)
+    server = EngineServer(address, workers, model, overlap, LinkConfig(route_balance=route_balance), **overrides)
     signal.signal(signal.SIGTERM, lambda *_: server.inbox.put("stop"))
     server.run()
     if server.link is not None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import zmq
 
-from cache.ring import Ring
+from cache.ring import ROUTE_SLACK, Ring
 from encoder_server import messages as m
 
 log = logging.getLogger(__name__)
@@ -43,11 +43,14 @@ class LinkConfig:
     item_timeout_s: float = 120.0  # from submission to the item's embedding
     ping_interval_s: float = 1.0  # workers holding our items are pinged this often
     lost_after_s: float = 4.0  # ... and taken as dead when silent this long
+    route_balance: float = 1.25  # bounded loads, as the gateway's --route-balance (0: strict ring)
 
     def __post_init__(self) -> None:
         if not (self.accept_timeout_s > 0 and self.item_timeout_s > 0 and self.ping_interval_s > 0
                 and self.lost_after_s > self.ping_interval_s):
             raise ValueError("link timeouts must be > 0 and lost_after_s > ping_interval_s")
+        if not (self.route_balance == 0 or self.route_balance >= 1):
+            raise ValueError("route_balance must be 0 (off) or >= 1")
 
 
 @dataclass
@@ -199,13 +202,25 @@ class EncoderLink:
     def _route(self, request_id: str, items: list[m.EncodeItem], blobs: dict[int, bytes], pooling: str) -> None:
         deadline = time.monotonic() + self.cfg.item_timeout_s
         by_node: dict[str, list[m.EncodeItem]] = {}
+        loads = self._open_items_by_node()
         for it in items:
-            by_node.setdefault(self._ring.node_for(it.route_key or uuid.uuid4().hex), []).append(it)
+            key = it.route_key or uuid.uuid4().hex
+            node = (self._ring.node_within_bound(key, loads, self.cfg.route_balance, ROUTE_SLACK)
+                    if self.cfg.route_balance else self._ring.node_for(key))
+            loads[node] = loads.get(node, 0) + 1
+            by_node.setdefault(node, []).append(it)
             self._deadlines[(request_id, it.index)] = deadline
         for node, group_items in by_node.items():
             group = _Group(request_id, group_items, {i.index: blobs[i.index] for i in group_items if i.inline}, pooling)
             group.open_items = {i.index for i in group_items}
             self._send(group, node)
+
+    def _open_items_by_node(self) -> dict[str, int]:
+        """Items each worker holds for us and has not answered yet (the bounded-load routing's loads)."""
+        loads: dict[str, int] = {}
+        for group in {id(g): g for g in self._groups.values()}.values():  # a re-sent group has two ids
+            loads[group.node] = loads.get(group.node, 0) + len(group.open_items)
+        return loads
 
     def _send(self, group: _Group, node: str) -> None:
         sub_id = f"{group.request_id}#{next(self._group_ids)}"

@@ -123,3 +123,31 @@ def test_item_deadline(server, media) -> None:
         link.close()
     final = [e for e in events if e.kind != "sized"]
     assert len(final) == 1 and final[0].kind == "error" and final[0].error_code == "timeout"
+
+
+@pytest.mark.parametrize("balance, owner_keeps", [(1.25, 19), (0.0, 24)])
+def test_a_burst_owned_by_one_worker_spills_like_the_gateway(balance: float, owner_keeps: int) -> None:
+    """24 items whose keys one worker owns: with bounded loads the owner keeps 1.25 x the mean + 4 (19) and the
+    rest go to its ring successor, as the gateway routes; --route-balance 0 keeps the strict ring."""
+    from cache.ring import Ring
+
+    nodes = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing answers: groups stay unaccepted
+    owner = Ring(nodes).node_for(route_key(url="http://media/0.jpg"))
+    urls = [u for u in (f"http://media/{i}.jpg" for i in range(400))
+            if Ring(nodes).node_for(route_key(url=u)) == owner][:24]
+    link = EncoderLink(nodes, cfg=LinkConfig(accept_timeout_s=60, route_balance=balance))
+    try:
+        link.submit("burst", [_item(i, u) for i, u in enumerate(urls)])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                groups = list(link._groups.values())  # NOTE: the IO thread's dict; retried if it changes under us
+            except RuntimeError:
+                continue
+            if sum(len(g.items) for g in groups) == 24:
+                break
+            time.sleep(0.01)
+        per_node = {g.node: len(g.items) for g in groups}
+    finally:
+        link.close()
+    assert per_node[owner] == owner_keeps and sum(per_node.values()) == 24
