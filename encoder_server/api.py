@@ -12,7 +12,7 @@ import numpy as np
 from cache.keys import route_key
 from encoder_server import messages as m
 from encoder_server.config import PreprocessConfig
-from encoder_server.json_splice import Base64Bytes
+from encoder_server.json_splice import Base64Bytes, FloatArray
 from encoder_server.video_options import parse_video_options
 from encoder_server.worker_client import ItemOutput
 from preprocess.errors import MediaError
@@ -190,9 +190,9 @@ def _check_data_mime(source: str, modality: str) -> None:
 
 
 def _encode(array: np.ndarray, fmt: str) -> Any:
-    if fmt == "base64":  # serialized by json_splice.dumps without a str copy or an escape scan
+    if fmt == "base64":  # serialized by json_splice without a str copy or an escape scan
         return Base64Bytes(base64.b64encode(np.ascontiguousarray(array, dtype="<f4").data))
-    return array.tolist()
+    return FloatArray(array)  # formatted by json_splice a block at a time, between event-loop turns
 
 
 def build_embeddings_response(req: EmbeddingsRequest, outputs: dict[int, ItemOutput], model_name: str,

@@ -37,6 +37,7 @@ class WorkerPicker(Protocol):
 FLEET = web.AppKey("fleet", WorkerPicker)
 INFLIGHT = web.AppKey("inflight", list)  # [requests in flight], mutated only on the event loop
 API_PROCESS = web.AppKey("api_process", int)
+STREAM_VALUES = 1 << 18  # responses with more embedding values than this are written as they are formatted
 
 
 def _error(exc: ApiError) -> web.Response:
@@ -131,7 +132,27 @@ async def embeddings(request: web.Request) -> web.Response:
                                          {"parse": round(parse_ms, 3), "total": round(total_ms, 3)})
     log.debug("embeddings: %d items, %d tokens, %.1f ms", len(req.items), response["usage"]["total_tokens"],
              total_ms)
-    return web.Response(body=json_splice.dumps(response), content_type="application/json")
+    if sum(out.array.size for out in outputs.values() if out.array is not None) <= STREAM_VALUES:
+        return web.Response(body=json_splice.dumps(response), content_type="application/json")
+    return await _stream_json(request, response)
+
+
+async def _stream_json(request: web.Request, obj: dict[str, Any]) -> web.StreamResponse:
+    """Write a large body as it is formatted, giving the event loop back between blocks of numbers, so one
+    client's full-token float embeddings (seconds of formatting) do not stall every other request."""
+    resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await resp.prepare(request)
+    pending: list[bytes] = []
+    for piece in json_splice.pieces(obj):
+        if piece is not None:
+            pending.append(piece)
+            continue
+        await resp.write(b"".join(pending))
+        pending.clear()
+        await asyncio.sleep(0)
+    await resp.write(b"".join(pending))
+    await resp.write_eof()
+    return resp
 
 
 async def models(request: web.Request) -> web.Response:

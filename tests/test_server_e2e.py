@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import json
+import urllib.request
 
 import numpy as np
 import pytest
@@ -130,6 +132,22 @@ def test_per_token_embeddings_float_and_base64(server, media, reference) -> None
     status, body = _embed(server, media.url("/b.jpg"), pooling="none", encoding_format="base64")
     raw = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(raw.reshape(body["data"][0]["shape"]), expected, atol=1e-5)
+
+
+def test_large_float_answer_is_streamed_as_it_is_formatted(server, media, reference) -> None:
+    """Two 1280x960 images, every token, as floats: more values than STREAM_VALUES, so the body goes out in
+    chunks between event-loop turns (json_splice.pieces); it parses to the same numbers."""
+    big = jpeg(1280, 960, 7)
+    media.add("/big.jpg", big)
+    req = urllib.request.Request(server.url + "/v1/embeddings", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"input": [media.url("/big.jpg")] * 2, "pooling": "none"}).encode())
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert resp.headers.get("Transfer-Encoding") == "chunked"
+        body = json.loads(resp.read())
+    expected = reference(big)  # [tokens, D]
+    assert sum(np.size(d["embedding"]) for d in body["data"]) > 1 << 18
+    for d in body["data"]:
+        np.testing.assert_allclose(np.array(d["embedding"]), expected, atol=1e-5)
 
 
 def test_openai_client(server, media, reference) -> None:
