@@ -143,15 +143,18 @@ async def _stream_json(request: web.Request, obj: dict[str, Any]) -> web.StreamR
     resp = web.StreamResponse(headers={"Content-Type": "application/json"})
     await resp.prepare(request)
     pending: list[bytes] = []
-    for piece in json_splice.pieces(obj):
-        if piece is not None:
-            pending.append(piece)
-            continue
+    try:
+        for piece in json_splice.pieces(obj):
+            if piece is not None:
+                pending.append(piece)
+                continue
+            await resp.write(b"".join(pending))
+            pending.clear()
+            await asyncio.sleep(0)
         await resp.write(b"".join(pending))
-        pending.clear()
-        await asyncio.sleep(0)
-    await resp.write(b"".join(pending))
-    await resp.write_eof()
+        await resp.write_eof()
+    except ConnectionError:  # the client left mid-answer: nothing to tell it, stop formatting
+        log.info("client of %s went away during a streamed answer", request.path)
     return resp
 
 

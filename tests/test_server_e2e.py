@@ -150,6 +150,26 @@ def test_large_float_answer_is_streamed_as_it_is_formatted(server, media, refere
         np.testing.assert_allclose(np.array(d["embedding"]), expected, atol=1e-5)
 
 
+def test_client_leaving_a_streamed_answer_is_not_an_error(server, media) -> None:
+    import http.client
+    import time
+
+    media.add("/big2.jpg", jpeg(1280, 960, 8))
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/embeddings", body=json.dumps({"input": [media.url("/big2.jpg")] * 3,
+                                                             "pooling": "none"}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and len(resp.read(1000)) == 1000
+    conn.close()  # mid-answer
+    deadline = time.monotonic() + 20
+    while "went away during a streamed answer" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "went away during a streamed answer" in server.log()
+    assert "unhandled error" not in server.log()
+    assert server.get("/health")[0] == 200
+
+
 def test_openai_client(server, media, reference) -> None:
     from openai import OpenAI
 
