@@ -2,8 +2,9 @@
 
 `json.dumps` scans every character of a string for escapes, and the string itself is a `str` copy of the
 base64 bytes: for one qwen2.5-vl-7b image embedding (725 tokens x 3584 floats, 13.9 MB of base64) that is
-~50 ms of the gateway's single event loop on this 2-core machine. Base64 text needs no JSON escaping, so the
-response is dumped with short placeholders where those strings go, and their bytes are joined in.
+~70 ms of the gateway's single event loop on this 2-core machine (`mmenc bench response`). Base64 text
+needs no JSON escaping, so the response is dumped with short placeholders where those strings go, and
+their bytes are joined in.
 
 Float arrays (`encoding_format: "float"`) are worse: `json.dumps(array.tolist())` of the same embedding
 holds the event loop (and the GIL, so a thread would not help) for ~1.4 s. `pieces` formats them a block of
