@@ -29,6 +29,7 @@ from bench.loadgen import LoadSpec, Progress, get_text, json_or_none, run_load
 from bench.media import ImageMix, MediaServer, RequestFactory, generate_images
 from bench.procs import ManagedServer, compare_embeddings, health_status
 from bench.serve_report import (
+    DEPTH,
     WorkerSamples,
     label_values,
     parse_metrics,
@@ -108,17 +109,15 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> str | None:
     return text if status == 200 else None
 
 
-async def _sample_timeline(session: aiohttp.ClientSession, url: str, interval_s: float, depths: list[float],
+async def _sample_timeline(session: aiohttp.ClientSession, url: str, interval_s: float,
                            timeline: list[tuple[float, WorkerSamples]]) -> None:
-    """Every `interval_s`: the total queue depth, and each worker's samples (queue depth, busy seconds)."""
+    """Every `interval_s`: each worker's samples (queue depth, busy seconds); stops if none are exported."""
     while True:
         await asyncio.sleep(interval_s)
-        text = await _metrics(session, url)
-        samples = parse_metrics(text)
-        if samples is None or "mmenc_queue_depth" not in samples:
+        snapshot = worker_samples(await _metrics(session, url))
+        if not any(DEPTH in per for per in snapshot.values()):
             return
-        depths.append(samples["mmenc_queue_depth"])
-        timeline.append((time.perf_counter(), worker_samples(text)))
+        timeline.append((time.perf_counter(), snapshot))
 
 
 def _one_line(label: str, row: dict[str, Any]) -> str:
@@ -165,15 +164,15 @@ async def run_target(name: str, url: str, steps: list[float], a: argparse.Namesp
                 await _warm_up(session, url, min(a.warmup_requests, spec.concurrency or 4), a.warmup_requests,
                                make_factory(), a)
             before = await _metrics(session, url)
-            depths: list[float] = []
             timeline: list[tuple[float, WorkerSamples]] = [(time.perf_counter(), worker_samples(before))]
-            sampler = asyncio.create_task(_sample_timeline(session, url, a.metrics_interval_s, depths, timeline))
+            sampler = asyncio.create_task(_sample_timeline(session, url, a.metrics_interval_s, timeline))
             label = f"{name} {'rate' if is_open else 'c'}={step:g}"
             with Progress(label, enabled=not a.no_progress) as progress:
                 records, wall_s = await run_load(session, spec, factory, progress)
             sampler.cancel()
             after = await _metrics(session, url)
             workers = len(label_values(after, "mmenc_encode_busy_seconds_total", "worker")) or num_workers
+            depths = [sum(per.get(DEPTH, 0.0) for per in snap.values()) for _, snap in timeline[1:]]
             row = {"server": name, "step": step, "mode": "open" if is_open else "closed",
                    "concurrency": spec.concurrency, "rate": spec.rate,
                    **summarize(records, wall_s),

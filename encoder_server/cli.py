@@ -93,7 +93,8 @@ def _cache(ns: argparse.Namespace) -> int:
 BENCHES = {"vit": "bench.vit", "preprocess": "bench.preprocess", "serve": "bench.serve", "cache": "bench.cache",
            "video": "bench.video", "audio": "bench.audio", "engine": "bench.engine",
            "engine-prefix": "bench.engine_prefix", "soak": "bench.soak", "chat": "bench.chat",
-           "video-serve": "bench.video_serve", "response": "bench.response", "loop-stall": "bench.loop_stall"}
+           "video-serve": "bench.video_serve", "response": "bench.response", "loop-stall": "bench.loop_stall",
+           "engine-ops": "bench.engine_ops"}
 
 
 def _bench(ns: argparse.Namespace, rest: list[str]) -> int:

@@ -35,3 +35,16 @@ def test_bench_engine_tiny(tmp_path, capsys) -> None:
     assert [r["policy"] for r in payload["policy"]] == ["fewest-uncached", "fcfs"]
     assert all(r["short_ttft_p90_s"] > 0 and r["long_ttft_p90_s"] > 0 for r in payload["policy"])
     assert "SUMMARY engine tiny" in capsys.readouterr().out
+
+
+def test_bench_engine_ops_counts_and_saves(tmp_path, capsys) -> None:
+    from bench.engine_ops import main as ops_main
+    from engine_link.engine.loader import load_model
+
+    assert ops_main(["--batches", "1,2", "--prompt-len", "16", "--steps", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mid-narrow")]
+    counts = [int(line.split(": ")[1].split()[0]) for line in lines]
+    assert len(counts) == 2 and all(c > 100 for c in counts)
+    assert ops_main(["--save", str(tmp_path / "m")]) == 0
+    model = load_model(str(tmp_path / "m"), torch.device("cpu"), torch.float32)
+    assert model.cfg.num_hidden_layers == 24 and model.cfg.n_routed_experts == 32
