@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 
 from bench.chat_report import ChatRecord, cache_lookups, ratios, summarize, summary_line, tables
-from bench.loadgen import Progress, get_text, json_or_none
+from bench.loadgen import CLIENT_FAILURES, Progress, failure_code, get_text, json_or_none
 from bench.media import ImageMix, MediaServer, generate_images
 from bench.procs import ManagedServer, health_status
 
@@ -175,14 +175,8 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: bytes, num
                         rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 if rec.code is None and not has_usage:
                     rec.code = "no_usage"
-    except TimeoutError:
-        rec.code = "client_timeout"
-    except aiohttp.ClientConnectionError:
-        rec.code = "connection_error"
-    except aiohttp.ClientError:
-        rec.code = "client_error"
-    except (ValueError, KeyError, TypeError, AttributeError):
-        rec.code = "bad_response"
+    except (*CLIENT_FAILURES, AttributeError) as e:
+        rec.code = failure_code(e)
     rec.end_at = time.perf_counter()
     rec.latency_s = rec.end_at - start
     return rec

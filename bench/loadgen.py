@@ -49,6 +49,20 @@ def _error_code(status: int, raw: bytes) -> str:
         return f"http_{status}"
 
 
+CLIENT_FAILURES = (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError)  # a request's own failures
+
+
+def failure_code(exc: BaseException) -> str:
+    """The error class a load generator records for one of CLIENT_FAILURES (or a malformed answer)."""
+    if isinstance(exc, TimeoutError):
+        return "client_timeout"
+    if isinstance(exc, aiohttp.ClientConnectionError):
+        return "connection_error"
+    if isinstance(exc, aiohttp.ClientError):
+        return "client_error"
+    return "bad_response"
+
+
 def without_embedding_strings(raw: bytes) -> bytes:
     """`raw` with every `"embedding": "<base64>"` value emptied: the load generator reads only token counts and
     timings, and parsing a 7B-size image's 14 MB of base64 into a str would cost it ~8 ms per image (a client
@@ -88,14 +102,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, num_im
             rec.num_tokens = sum(int(d.get("num_tokens", 0)) for d in answer["data"])
             rec.item_timings = [d.get("timings_ms") or {} for d in answer["data"]]
             rec.gateway_timings = answer.get("timings_ms") or {}
-    except TimeoutError:
-        rec.code = "client_timeout"
-    except aiohttp.ClientConnectionError:
-        rec.code = "connection_error"
-    except aiohttp.ClientError:
-        rec.code = "client_error"
-    except (ValueError, KeyError, TypeError):
-        rec.code = "bad_response"
+    except CLIENT_FAILURES as e:
+        rec.code = failure_code(e)
     rec.latency_s = time.perf_counter() - sent_at
     return rec
 
